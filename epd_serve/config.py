@@ -1,0 +1,214 @@
+"""Deployment files: a typed model of `configs/<platform>/*.yaml` and their resolution.
+
+Pure Python (pydantic + PyYAML); runs in the CLI and the launcher. Every error a user
+can cause here comes out as a one-line ConfigError that says what to fix.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from epd_serve import topology
+from epd_serve.hal import (
+    PLATFORMS,
+    InstanceLaunch,
+    ec_role_for,
+    kv_role_for,
+    memory_shares,
+)
+
+ArgValue = str | int | float | bool | None
+
+
+class ConfigError(ValueError):
+    """A deployment file that cannot be used; the message is one line."""
+
+
+class Deployment(BaseModel):
+    """One deployment of one model on one node."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(description="Name used for the work directory and logs.")
+    platform: Literal["cpu", "cuda", "ascend"] = Field(
+        "cpu", description="Which HAL backend starts the engines."
+    )
+    deployment: str = Field(description="Notation, e.g. 'E-P-D', '(E-P)-D', '2E1P1D'.")
+    model: str = Field(description="Model directory; relative paths start at the project root.")
+    tiny_model: Literal["qwen2_vl", "qwen2_5_vl", "qwen3_vl"] | None = Field(
+        None, description="If set and 'model' holds no model yet, build the tiny "
+        "random-weight model of this family there before starting (CPU testing).",
+    )
+    served_model_name: str | None = Field(None, description="Name clients use; default: the folder name.")
+    host: str = Field("127.0.0.1", description="Address every server binds to.")
+    proxy_port: int = Field(8000, description="Port of the OpenAI-compatible proxy.")
+    base_port: int = Field(8100, description="Instance i serves HTTP on base_port + i.")
+    kv_bootstrap_base_port: int = Field(
+        8900, description="KV producer i serves its Mooncake bootstrap on this + i."
+    )
+    devices: list[int] | None = Field(
+        None, description="Physical device ids, in plan order; default 0..N-1."
+    )
+    max_model_len: int = Field(4096, description="Context length of every instance.")
+    work_dir: str | None = Field(None, description="Logs, EC storage, state; default .epd/<name>.")
+    engine_args: dict[str, ArgValue] = Field(
+        default_factory=dict, description="Extra engine flags for every instance."
+    )
+    role_engine_args: dict[Literal["E", "P", "D"], dict[str, ArgValue]] = Field(
+        default_factory=dict, description="Extra engine flags for instances running a stage."
+    )
+    env: dict[str, str] = Field(default_factory=dict, description="Extra environment for every instance.")
+    health_timeout_s: float = Field(600.0, description="How long start-up may take.")
+    max_restarts: int = Field(3, description="Restarts per instance before the launcher gives up.")
+
+    @field_validator("deployment")
+    @classmethod
+    def _parse_notation(cls, value: str) -> str:
+        topology.parse(value)  # raises NotationError with the position
+        return value
+
+    @field_validator("devices")
+    @classmethod
+    def _unique_devices(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and len(set(value)) != len(value):
+            raise ValueError("device ids must be unique")
+        return value
+
+    @property
+    def plan(self) -> topology.Plan:
+        return topology.parse(self.deployment)
+
+
+def _format_validation_error(path: str, err: ValidationError) -> str:
+    first = err.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or "(top level)"
+    if first["type"] == "extra_forbidden":
+        allowed = ", ".join(Deployment.model_fields)
+        return f"{path}: unknown key {where!r}; allowed keys: {allowed}"
+    if first["type"] == "missing":
+        return f"{path}: missing required key {where!r}"
+    return f"{path}: {where}: {first['msg']}"
+
+
+def load(path: str | Path) -> tuple[Deployment, Path]:
+    """Read a deployment file; returns the config and the folder paths resolve against."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"deployment file {str(path)!r} not found; see configs/ for examples")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from err
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of keys, got {type(data).__name__}")
+    try:
+        config = Deployment.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(str(path), err)) from None
+    except topology.NotationError as err:
+        raise ConfigError(f"{path}: {err}") from None
+    return config, project_root_for(path)
+
+
+def project_root_for(config_path: Path) -> Path:
+    """Relative paths in a deployment file resolve against the project root: the
+    nearest parent holding a `configs` folder, else the file's own folder."""
+    for parent in config_path.resolve().parents:
+        if parent.name == "configs":
+            return parent.parent
+    return config_path.resolve().parent
+
+
+def _flag_args(args: dict[str, ArgValue]) -> list[str]:
+    """{'limit_mm_per_prompt': '{..}', 'enforce_eager': True} -> CLI flags."""
+    out: list[str] = []
+    for key, value in args.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True or value is None:
+            out.append(flag)
+        elif value is False:
+            continue
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+def resolve(config: Deployment, root: Path) -> "ResolvedDeployment":
+    """Turn a deployment file into one InstanceLaunch per instance of its plan."""
+    plan = config.plan
+    model = _absolute(config.model, root)
+    work_dir = _absolute(config.work_dir or f".epd/{config.name}", root)
+    device_map = config.devices or list(range(plan.num_devices))
+    if len(device_map) < plan.num_devices:
+        raise ConfigError(
+            f"{config.name}: the plan {plan.to_notation()!r} needs {plan.num_devices} devices "
+            f"but 'devices' lists {len(device_map)}"
+        )
+    shares = memory_shares(plan)
+    launches = []
+    producers = 0
+    for index, inst in enumerate(plan.instances):
+        args = dict(config.engine_args)
+        for role, role_args in config.role_engine_args.items():
+            if role in inst.roles:
+                args.update(role_args)
+        kv_role = kv_role_for(inst)
+        bootstrap = None
+        if kv_role == "kv_producer":
+            bootstrap = config.kv_bootstrap_base_port + producers
+            producers += 1
+        launches.append(
+            InstanceLaunch(
+                instance=inst,
+                model=str(model),
+                served_model_name=config.served_model_name or model.name,
+                host=config.host,
+                port=config.base_port + index,
+                devices=tuple(device_map[d] for d in inst.devices),
+                memory_share=shares[inst.name],
+                max_model_len=config.max_model_len,
+                ec_role=ec_role_for(inst, plan),
+                ec_storage_path=str(work_dir / "ec_cache"),
+                kv_role=kv_role,
+                kv_bootstrap_port=bootstrap,
+                extra_args=tuple(_flag_args(args)),
+                extra_env=tuple(sorted(config.env.items())),
+            )
+        )
+    return ResolvedDeployment(config=config, plan=plan, model_dir=model, work_dir=work_dir,
+                              launches=launches)
+
+
+def _absolute(value: str, root: Path) -> Path:
+    path = Path(value).expanduser()
+    return path if path.is_absolute() else (root / path).resolve()
+
+
+class ResolvedDeployment(BaseModel):
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    config: Deployment
+    plan: Any
+    model_dir: Path
+    work_dir: Path
+    launches: list[Any]
+
+    @property
+    def proxy_url(self) -> str:
+        return f"http://{self.config.host}:{self.config.proxy_port}"
+
+    def ports(self) -> dict[int, str]:
+        """Every port the deployment listens on -> who uses it."""
+        ports = {self.config.proxy_port: "proxy"}
+        for launch in self.launches:
+            ports[launch.port] = f"instance {launch.name}"
+            if launch.kv_bootstrap_port is not None:
+                ports[launch.kv_bootstrap_port] = f"KV bootstrap of {launch.name}"
+        return ports
+
+
+__all__ = ["PLATFORMS", "ConfigError", "Deployment", "ResolvedDeployment", "load", "resolve"]

@@ -1,0 +1,216 @@
+"""Hardware-abstraction layer: turns one instance of a plan into an engine process spec.
+
+Imported by the launcher and the CLI. Pure: builds command lines and environments and
+never imports a hardware package; backends live in `epd_serve.backends.<name>` and
+are resolved lazily by name, so the CPU install never needs torch_npu or flashinfer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import shlex
+import sys
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+from epd_serve.topology import Instance, Plan, Role
+
+PLATFORMS = ("cpu", "cuda", "ascend")
+
+# Relative memory weight of co-located instances: an encoder-only instance holds the
+# vision tower and its activations, far less than an LLM instance's weights + KV cache.
+ENCODER_WEIGHT = 1.0
+LLM_WEIGHT = 4.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Connector:
+    """A vLLM connector: its registered name, where to import it from, extra config."""
+
+    name: str
+    module_path: str | None = None
+    extra_config: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class InstanceLaunch:
+    """Everything needed to start one engine process, resolved from config + plan."""
+
+    instance: Instance
+    model: str
+    served_model_name: str
+    host: str
+    port: int
+    devices: tuple[int, ...]  # physical device ids (after the config's device map)
+    memory_share: float  # share of each device's memory this instance may use
+    max_model_len: int
+    ec_role: str | None = None  # ec_producer | ec_consumer | None
+    ec_storage_path: str | None = None
+    kv_role: str | None = None  # kv_producer | kv_consumer | None
+    kv_bootstrap_port: int | None = None  # producers serve their KV bootstrap here
+    extra_args: tuple[str, ...] = ()
+    extra_env: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def name(self) -> str:
+        return self.instance.name
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def encoder_only(self) -> bool:
+        return self.instance.roles == "E"
+
+
+def ec_role_for(instance: Instance, plan: Plan) -> str | None:
+    """Encoder-only instances produce features; prefill instances without an encoder
+    of their own consume them when the plan has encoder instances."""
+    if instance.roles == "E":
+        return "ec_producer"
+    if instance.has(Role.PREFILL) and not instance.has(Role.ENCODE):
+        if any(i.roles == "E" for i in plan.instances):
+            return "ec_consumer"
+    return None
+
+
+def kv_role_for(instance: Instance) -> str | None:
+    """Prefill without decode sends KV; decode without prefill receives it."""
+    if instance.has(Role.PREFILL) and not instance.has(Role.DECODE):
+        return "kv_producer"
+    if instance.has(Role.DECODE) and not instance.has(Role.PREFILL):
+        return "kv_consumer"
+    return None
+
+
+def memory_shares(plan: Plan) -> dict[str, float]:
+    """Instance name -> fraction of its device's memory; co-located shares sum to 1."""
+    shares: dict[str, float] = {}
+    for group in plan.groups():
+        weights = {i.name: ENCODER_WEIGHT if i.roles == "E" else LLM_WEIGHT for i in group}
+        total = sum(weights.values())
+        for name, weight in weights.items():
+            shares[name] = weight / total
+    return shares
+
+
+class Platform(ABC):
+    """One backend: device facts as class attributes, pure builders as methods."""
+
+    name: ClassVar[str]
+    device_type: ClassVar[str]
+    # Environment variable that restricts which devices a process sees (None: no devices).
+    device_visibility_env: ClassVar[str | None]
+    # Engine flag that bounds the memory an instance may take, or None where memory
+    # is given through the environment instead.
+    memory_flag: ClassVar[str | None]
+    attention_backend: ClassVar[str | None]
+    # Pinned to a vLLM release line; connector names were renamed between releases.
+    kv_connector: ClassVar[Connector]
+    ec_connector: ClassVar[Connector]
+    # Fraction of a device's memory that all instances on it may use together.
+    usable_memory: ClassVar[float] = 0.9
+
+    # -- command line -------------------------------------------------------
+    def engine_launcher(self) -> list[str]:
+        """The program that starts a vLLM OpenAI-compatible server."""
+        return ["vllm", "serve"]
+
+    def memory_fraction(self, launch: InstanceLaunch) -> float:
+        return round(self.usable_memory * launch.memory_share, 3)
+
+    def role_args(self, launch: InstanceLaunch) -> list[str]:
+        """Flags that depend on the instance's role (encoder-only instances skip the
+        language model and the prefix cache; they never decode)."""
+        if launch.encoder_only:
+            return ["--mm-encoder-only", "--enforce-eager", "--no-enable-prefix-caching"]
+        return []
+
+    def platform_args(self, launch: InstanceLaunch) -> list[str]:
+        """Extra flags this platform always passes."""
+        return []
+
+    def kv_transfer_config(self, launch: InstanceLaunch) -> dict[str, Any] | None:
+        if launch.kv_role is None:
+            return None
+        return _connector_config("kv", self.kv_connector, launch.kv_role)
+
+    def ec_transfer_config(self, launch: InstanceLaunch) -> dict[str, Any] | None:
+        if launch.ec_role is None:
+            return None
+        conn = dataclasses.replace(
+            self.ec_connector,
+            extra_config={**self.ec_connector.extra_config,
+                          "shared_storage_path": launch.ec_storage_path},
+        )
+        return _connector_config("ec", conn, launch.ec_role)
+
+    def command(self, launch: InstanceLaunch) -> list[str]:
+        cmd = [*self.engine_launcher(), launch.model]
+        cmd += ["--served-model-name", launch.served_model_name]
+        cmd += ["--host", launch.host, "--port", str(launch.port)]
+        cmd += ["--max-model-len", str(launch.max_model_len)]
+        if launch.instance.tensor_parallel > 1:
+            cmd += ["--tensor-parallel-size", str(launch.instance.tensor_parallel)]
+        if self.memory_flag:
+            cmd += [self.memory_flag, str(self.memory_fraction(launch))]
+        if self.attention_backend:
+            cmd += ["--attention-backend", self.attention_backend]
+        cmd += self.role_args(launch)
+        cmd += self.platform_args(launch)
+        if (ec := self.ec_transfer_config(launch)) is not None:
+            cmd += ["--ec-transfer-config", json.dumps(ec, separators=(",", ":"))]
+        if (kv := self.kv_transfer_config(launch)) is not None:
+            cmd += ["--kv-transfer-config", json.dumps(kv, separators=(",", ":"))]
+        cmd += list(launch.extra_args)
+        return cmd
+
+    # -- environment --------------------------------------------------------
+    def environment(self, launch: InstanceLaunch) -> dict[str, str]:
+        """Variables to set on top of the launcher's environment."""
+        env = {"HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": launch.host}
+        if self.device_visibility_env:
+            env[self.device_visibility_env] = ",".join(str(d) for d in launch.devices)
+        if launch.kv_role == "kv_producer" and launch.kv_bootstrap_port is not None:
+            env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = str(launch.kv_bootstrap_port)
+        env.update(self.platform_env(launch))
+        env.update(dict(launch.extra_env))
+        return env
+
+    @abstractmethod
+    def platform_env(self, launch: InstanceLaunch) -> dict[str, str]:
+        """Platform-specific variables (threads, allocators, transports)."""
+
+    @abstractmethod
+    def check_available(self) -> None:
+        """Import the platform's packages; raise RuntimeError saying what to install."""
+
+    def shell_line(self, launch: InstanceLaunch) -> str:
+        """One shell line an operator can paste: `VAR=... cmd ...`."""
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.environment(launch).items()))
+        return f"{env} {shlex.join(self.command(launch))}"
+
+
+def _connector_config(kind: str, conn: Connector, role: str) -> dict[str, Any]:
+    cfg: dict[str, Any] = {f"{kind}_connector": conn.name, f"{kind}_role": role}
+    if conn.module_path:
+        cfg[f"{kind}_connector_module_path"] = conn.module_path
+    if conn.extra_config:
+        cfg[f"{kind}_connector_extra_config"] = dict(conn.extra_config)
+    return cfg
+
+
+def get_platform(name: str) -> Platform:
+    """Resolve a backend by name; imports only that backend's module."""
+    if name not in PLATFORMS:
+        raise ValueError(f"unknown platform {name!r}; choose one of {', '.join(PLATFORMS)}")
+    module = importlib.import_module(f"epd_serve.backends.{name}")
+    return module.PLATFORM
+
+
+def python_module_launcher(module: str) -> list[str]:
+    """Start a module with the interpreter running epd-serve (same virtualenv)."""
+    return [sys.executable, "-m", module]

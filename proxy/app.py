@@ -1,0 +1,137 @@
+"""The request router: an OpenAI-compatible FastAPI app in front of E, P and D instances.
+
+Runs in its own process (`python -m epd_serve.proxy --config proxy.json`, started by
+the launcher). `create_app(config)` builds everything; there are no module globals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from epd_serve.proxy.pipeline import Pipeline, ProxyError
+from epd_serve.proxy.state import InstanceTable, ProxyConfig
+
+logger = logging.getLogger("epd_serve.proxy")
+
+STAGES_HEADER = "x-epd-stages"
+
+
+async def _poll_health(table: InstanceTable, client: httpx.AsyncClient, interval: float) -> None:
+    """Keep the status table's health column current; an instance that stops answering
+    is skipped by routing until it answers again."""
+    while True:
+        async def check(inst):
+            try:
+                resp = await client.get(inst.entry.url + "/health", timeout=5.0)
+                healthy = resp.status_code == 200
+            except httpx.HTTPError as err:
+                healthy = False
+                inst.last_error = f"health: {type(err).__name__}"
+            if healthy != inst.healthy:
+                logger.info("instance %s is now %s", inst.name, "healthy" if healthy else "DOWN")
+                if not healthy:
+                    inst.kv_engine_id = None  # a restarted engine gets a new id
+            inst.healthy = healthy
+
+        await asyncio.gather(*(check(i) for i in table.instances))
+        await asyncio.sleep(interval)
+
+
+async def _read_body(request: Request) -> dict:
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except ValueError as err:
+        raise ProxyError(400, f"request body is not valid JSON: {err}", "invalid_request_error")
+    if not isinstance(body, dict):
+        raise ProxyError(400, "request body must be a JSON object", "invalid_request_error")
+    return body
+
+
+def create_app(config: ProxyConfig) -> FastAPI:
+    table = InstanceTable(config.instances)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        timeout = httpx.Timeout(config.request_timeout_s, connect=10.0)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
+        async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+            app.state.pipeline = Pipeline(table, client)
+            poller = asyncio.create_task(_poll_health(table, client, config.health_interval_s))
+            try:
+                yield
+            finally:
+                poller.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await poller
+
+    app = FastAPI(title="epd-serve proxy", lifespan=lifespan)
+    app.state.table = table
+    app.state.config = config
+
+    @app.exception_handler(ProxyError)
+    async def _proxy_error(request: Request, err: ProxyError):
+        return JSONResponse(err.to_body(), status_code=err.status)
+
+    async def generate(request: Request, path: str, required: str) -> object:
+        body = await _read_body(request)
+        if not isinstance(body.get(required), (list, str)) or not body.get(required):
+            raise ProxyError(400, f"'{required}' is required and must not be empty",
+                             "invalid_request_error")
+        pipeline: Pipeline = request.app.state.pipeline
+        start = time.perf_counter()
+        if body.get("stream"):
+            trip, stream = await pipeline.open_stream(path, body)
+            logger.info("%s mm=%s %s", trip.request_id, trip.multimodal, trip.header())
+            return StreamingResponse(
+                stream, media_type="text/event-stream",
+                headers={STAGES_HEADER: trip.header(), "x-request-id": trip.request_id},
+            )
+        trip, result = await pipeline.complete(path, body)
+        logger.info("%s mm=%s %s total=%.1fms", trip.request_id, trip.multimodal, trip.header(),
+                    (time.perf_counter() - start) * 1e3)
+        return JSONResponse(
+            result, headers={STAGES_HEADER: trip.header(), "x-request-id": trip.request_id}
+        )
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generate(request, "/v1/chat/completions", "messages")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, "/v1/completions", "prompt")
+
+    @app.get("/v1/models")
+    async def models():
+        return {
+            "object": "list",
+            "data": [{"id": config.model, "object": "model", "owned_by": "epd-serve"}],
+        }
+
+    @app.get("/health")
+    async def health():
+        missing = [s for s in ("P", "D") if not table.candidates(s)]
+        if missing:
+            return JSONResponse(
+                {"status": "unavailable", "stages_without_healthy_instance": missing},
+                status_code=503,
+            )
+        if table.encoders() and not table.candidates("E"):
+            # Still serving: prefill instances encode images themselves meanwhile.
+            return {"status": "degraded", "stages_without_healthy_instance": ["E"]}
+        return {"status": "ok"}
+
+    @app.get("/status")
+    async def status():
+        return {"model": config.model, "instances": table.to_dict()}
+
+    return app

