@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from epd_serve import topology
+from epd_serve.bench.cli import add_bench_parser
 from epd_serve.config import ConfigError
 
 
@@ -181,12 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="results/demo", help="where the load report goes")
     p.set_defaults(func=cmd_demo)
 
-    try:
-        from epd_serve.bench.cli import add_bench_parser
-    except ImportError:  # the load tool is optional for the serving commands
-        pass
-    else:
-        add_bench_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 

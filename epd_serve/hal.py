@@ -136,7 +136,12 @@ class Platform(ABC):
     def kv_transfer_config(self, launch: InstanceLaunch) -> dict[str, Any] | None:
         if launch.kv_role is None:
             return None
-        return _connector_config("kv", self.kv_connector, launch.kv_role)
+        cfg = _connector_config("kv", self.kv_connector, launch.kv_role)
+        if launch.kv_role == "kv_consumer":
+            # A KV transfer that fails must cost time, not the request: decode then
+            # computes the prompt itself.
+            cfg["kv_load_failure_policy"] = "recompute"
+        return cfg
 
     def ec_transfer_config(self, launch: InstanceLaunch) -> dict[str, Any] | None:
         if launch.ec_role is None:

@@ -115,7 +115,11 @@ class Pipeline:
         if inst.kv_engine_id is None:
             if not inst.entry.kv_bootstrap_url:
                 raise ProxyError(500, f"prefill instance {inst.name} has no KV bootstrap URL")
-            resp = await self.client.get(inst.entry.kv_bootstrap_url + "/query")
+            try:
+                resp = await self.client.get(inst.entry.kv_bootstrap_url + "/query")
+            except httpx.TransportError as err:
+                raise ProxyError(502, f"KV bootstrap of prefill instance {inst.name} is "
+                                      f"unreachable: {err}", "upstream_error") from None
             if resp.status_code != 200:
                 raise _upstream_error(inst, resp.status_code, resp.text)
             workers = resp.json()

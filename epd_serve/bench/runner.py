@@ -1,0 +1,179 @@
+"""Load runs, rate sweeps, goodput search and deployment comparison.
+
+Runs in the `epd-serve bench` process: builds the requests, drives the load generator
+(client.py) with live progress, and turns records into summaries (metrics.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from epd_serve.bench import arrivals, client, workloads
+from epd_serve.bench.metrics import SLO, RequestRecord, summarize
+
+GOODPUT_ATTAINMENT = 0.9  # goodput = highest rate with at least 90% SLO attainment
+
+
+@dataclasses.dataclass
+class LoadSpec:
+    """Everything that defines one load run except the rate."""
+
+    url: str  # base URL of an OpenAI-compatible server
+    model: str
+    workload: str = "sharegpt4o"
+    num_requests: int = 100
+    output_tokens: int | None = 64
+    process: str = "poisson"
+    burstiness: float = 1.0
+    end_rate: float | None = None
+    trace: str | None = None
+    speedup: float = 1.0
+    max_concurrency: int | None = None
+    ignore_eos: bool = True
+    seed: int = 0
+    timeout_s: float = 600.0
+    slo: SLO = dataclasses.field(default_factory=SLO)
+    num_devices: int = 1
+
+
+@dataclasses.dataclass
+class RunResult:
+    label: str  # deployment name
+    rate: float | None
+    summary: dict
+    records: list[RequestRecord]
+
+
+def _progress(console: Console) -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), console=console, transient=True)
+
+
+class Bodies:
+    """Request bodies built once per (workload, model) and reused across rates."""
+
+    def __init__(self, spec: LoadSpec, console: Console):
+        self.specs = workloads.load_workload(spec.workload, spec.num_requests, spec.output_tokens,
+                                             spec.seed)
+        with _progress(console) as progress:
+            task = progress.add_task("building requests", total=len(self.specs))
+            self.bodies = list(workloads.build_bodies(
+                self.specs, spec.model, spec.ignore_eos, lambda: progress.advance(task)))
+        self.multimodal = [s.multimodal for s in self.specs]
+
+
+def run_once(spec: LoadSpec, rate: float | None, bodies: Bodies, label: str = "",
+             console: Console | None = None) -> RunResult:
+    console = console or Console(stderr=True)
+    offsets = arrivals.schedule(spec.process, len(bodies.bodies), rate,
+                                burstiness=spec.burstiness, end_rate=spec.end_rate,
+                                trace=spec.trace, speedup=spec.speedup, seed=spec.seed)
+    n = min(len(offsets), len(bodies.bodies))
+    url = spec.url.rstrip("/") + "/v1/chat/completions"
+    with _progress(console) as progress:
+        what = f"{label} " if label else ""
+        task = progress.add_task(f"{what}rate {rate if rate is not None else spec.process}",
+                                 total=n)
+        records = client.run(client.run_schedule(
+            url, bodies.bodies[:n], offsets[:n], bodies.multimodal[:n],
+            spec.max_concurrency, spec.timeout_s,
+            on_done=lambda rec: progress.advance(task)))
+    summary = summarize(records, spec.slo, spec.num_devices, rate)
+    summary.update({"label": label, "rate": rate, "process": spec.process,
+                    "workload": spec.workload})
+    console.print(_one_line(label, rate, summary))
+    return RunResult(label, rate, summary, records)
+
+
+def _one_line(label: str, rate: float | None, s: dict) -> str:
+    ttft, tpot = s["ttft_ms"]["median"], s["tpot_ms"]["median"]
+    fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
+    return (f"{label or 'run'} @ {rate} req/s: {s['success_requests']}/{s['total_requests']} ok, "
+            f"TTFT p50 {fmt(ttft)} ms, TPOT p50 {fmt(tpot)} ms, "
+            f"SLO attainment {s['slo_attainment']:.0%}, "
+            f"{s['output_token_throughput']:.1f} out tok/s")
+
+
+def sweep(spec: LoadSpec, rates: list[float], label: str = "",
+          console: Console | None = None, bodies: Bodies | None = None) -> list[RunResult]:
+    console = console or Console(stderr=True)
+    bodies = bodies or Bodies(spec, console)
+    return [run_once(spec, rate, bodies, label, console) for rate in rates]
+
+
+def find_goodput(spec: LoadSpec, low: float, high: float, iterations: int = 5,
+                 label: str = "", console: Console | None = None,
+                 bodies: Bodies | None = None) -> tuple[float | None, list[RunResult]]:
+    """Binary search for the highest rate whose SLO attainment is >= 90%.
+    Returns (goodput or None when even `low` misses, every run made)."""
+    console = console or Console(stderr=True)
+    bodies = bodies or Bodies(spec, console)
+    runs = []
+
+    def passes(rate: float) -> bool:
+        result = run_once(spec, rate, bodies, label, console)
+        runs.append(result)
+        return result.summary["slo_attainment"] >= GOODPUT_ATTAINMENT
+
+    if not passes(low):
+        return None, runs
+    if passes(high):
+        return high, runs
+    good, bad = low, high
+    for _ in range(iterations):
+        mid = (good + bad) / 2
+        if passes(mid):
+            good = mid
+        else:
+            bad = mid
+    return good, runs
+
+
+def compare_deployments(config_paths: list[str], spec: LoadSpec, rates: list[float],
+                        out_dir: Path, goodput: tuple[float, float] | None = None,
+                        console: Console | None = None) -> Path:
+    """Bring each deployment up with the launcher, run the same workload, tear it down;
+    write one report for all of them."""
+    from epd_serve import config as config_mod
+    from epd_serve.bench.report import write_report
+    from epd_serve.cli import bring_up
+
+    console = console or Console(stderr=True)
+    results: list[RunResult] = []
+    goodputs: dict[str, float | None] = {}
+    for path in config_paths:
+        cfg, root = config_mod.load(path)
+        dep = config_mod.resolve(cfg, root)
+        label = f"{cfg.name} ({dep.plan.to_notation()})"
+        run_spec = dataclasses.replace(
+            spec, url=dep.proxy_url, model=dep.launches[0].served_model_name,
+            num_devices=dep.plan.num_devices)
+        console.rule(label)
+        launcher = bring_up(dep)
+        try:
+            bodies = Bodies(run_spec, console)
+            results += sweep(run_spec, rates, label, console, bodies)
+            if goodput:
+                value, runs = find_goodput(run_spec, goodput[0], goodput[1], label=label,
+                                           console=console, bodies=bodies)
+                goodputs[label] = value
+        finally:
+            launcher.stop()
+    return write_report(results, out_dir, spec, goodputs)
+
+
+def quick_report(dep, requests: int, out_dir: Path) -> Path:
+    """The demo's short load: two rates against a running deployment, full report."""
+    from epd_serve.bench.report import write_report
+
+    spec = LoadSpec(url=dep.proxy_url, model=dep.launches[0].served_model_name,
+                    workload="tiny-mm", num_requests=max(2, requests // 2), output_tokens=16,
+                    process="poisson", num_devices=dep.plan.num_devices,
+                    slo=SLO(ttft_ms=2000, tpot_ms=200))
+    label = f"{dep.config.name} ({dep.plan.to_notation()})"
+    results = sweep(spec, [0.5, 1.0], label)
+    return write_report(results, out_dir, spec)

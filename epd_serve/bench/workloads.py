@@ -1,0 +1,204 @@
+"""What each request of a load run asks: text, images, output length.
+
+Synthetic mixes shaped like the papers' datasets, and file datasets (AISBench
+multimodal JSONL, ShareGPT JSON, a folder of images). Images are generated (numpy noise,
+deterministic per seed) or read from local files; nothing is downloaded. Bodies are
+built before the run starts so that sending costs no encoding time.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import mimetypes
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from epd_serve.payloads import chat_body, image_data_url, make_image
+
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
+
+# Words for synthetic prompts; about one token each for Qwen-family tokenizers.
+_WORDS = ("describe the image in detail what is shown here and why does it matter please "
+          "explain each part of the picture count objects read any visible text compare "
+          "colors shapes people animals buildings sky road water").split()
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageRef:
+    """A generated image (width x height, seed) or a file on disk."""
+
+    width: int = 0
+    height: int = 0
+    seed: int = 0
+    path: str | None = None
+
+    def data_url(self) -> str:
+        if self.path:
+            data = Path(self.path).read_bytes()
+            mime = mimetypes.guess_type(self.path)[0] or "image/png"
+            return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+        return image_data_url(make_image(self.width, self.height, self.seed))
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestSpec:
+    index: int
+    text: str
+    images: tuple[ImageRef, ...]
+    max_tokens: int
+
+    @property
+    def multimodal(self) -> bool:
+        return bool(self.images)
+
+
+@dataclasses.dataclass(frozen=True)
+class SyntheticWorkload:
+    """Requests drawn from distributions (all seeded).
+
+    text_tokens: mean words of the question (Poisson distributed, at least 1).
+    image_fraction: share of requests that carry images.
+    images_per_request: (min, max) image count of a multimodal request, uniform.
+    resolution: mean (width, height); resolution_std: per-axis std (0 = fixed size).
+    """
+
+    name: str
+    text_tokens: float
+    image_fraction: float
+    resolution: tuple[int, int]
+    resolution_std: tuple[float, float] = (0.0, 0.0)
+    images_per_request: tuple[int, int] = (1, 1)
+    output_tokens: int = 64
+
+    def requests(self, n: int, seed: int = 0) -> list[RequestSpec]:
+        rng = np.random.default_rng(seed)
+        out = []
+        for i in range(n):
+            words = max(1, int(rng.poisson(self.text_tokens)))
+            text = " ".join(rng.choice(_WORDS, size=words))
+            images: tuple[ImageRef, ...] = ()
+            if rng.random() < self.image_fraction:
+                count = int(rng.integers(self.images_per_request[0], self.images_per_request[1] + 1))
+                refs = []
+                for j in range(count):
+                    w = int(np.clip(rng.normal(self.resolution[0], self.resolution_std[0]), 28, 4096))
+                    h = int(np.clip(rng.normal(self.resolution[1], self.resolution_std[1]), 28, 4096))
+                    refs.append(ImageRef(w, h, seed=seed * 1_000_003 + i * 101 + j))
+                images = tuple(refs)
+            out.append(RequestSpec(i, text, images, self.output_tokens))
+        return out
+
+
+PRESETS: dict[str, SyntheticWorkload] = {
+    # ShareGPT-4o as the papers sample it: every request one image, mean 802x652, ~9.6
+    # text tokens, 64 output tokens.
+    "sharegpt4o": SyntheticWorkload("sharegpt4o", 9.6, 1.0, (802, 652), (160.0, 130.0)),
+    # VisualWebInstruct: half text-only, images 1280x720, ~63 text tokens.
+    "visualwebinstruct": SyntheticWorkload("visualwebinstruct", 63.1, 0.5, (1280, 720)),
+    "text": SyntheticWorkload("text", 32.0, 0.0, (0, 0)),
+    # Small images for quick runs on CPU machines.
+    "tiny-mm": SyntheticWorkload("tiny-mm", 8.0, 0.5, (224, 224), output_tokens=16),
+}
+
+
+def aisbench_jsonl(path: str | Path, output_tokens: int) -> list[RequestSpec]:
+    """AISBench's multimodal custom dataset: one JSON object per line,
+    {"type": "image", "path": [...], "question": ..., "answer": ...}."""
+    path = Path(path)
+    out = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as err:
+            raise ValueError(f"{path}:{lineno}: not JSON ({err})") from None
+        paths = row.get("path") or []
+        if isinstance(paths, str):
+            paths = [paths]
+        images = tuple(ImageRef(path=str((path.parent / p).resolve())) for p in paths)
+        for ref in images:
+            if not Path(ref.path).is_file():
+                raise ValueError(f"{path}:{lineno}: image {ref.path} not found")
+        question = row.get("question") or row.get("prompt")
+        if not question:
+            raise ValueError(f"{path}:{lineno}: no 'question'")
+        out.append(RequestSpec(len(out), question, images, output_tokens))
+    return out
+
+
+def sharegpt_json(path: str | Path, output_tokens: int | None, image_root: str | None = None) -> list[RequestSpec]:
+    """ShareGPT JSON: [{"conversations": [{"from": "human", "value": ...},
+    {"from": "gpt", "value": ...}], "image": optional path}]. Without output_tokens the
+    answer's length (in words) sets the output length."""
+    path = Path(path)
+    rows = json.loads(path.read_text())
+    root = Path(image_root) if image_root else path.parent
+    out = []
+    for row in rows:
+        turns = row.get("conversations") or []
+        if len(turns) < 1:
+            continue
+        question = turns[0].get("value", "").replace("<image>", "").strip()
+        answer = turns[1].get("value", "") if len(turns) > 1 else ""
+        n_out = output_tokens or max(1, len(answer.split()))
+        images: tuple[ImageRef, ...] = ()
+        if row.get("image"):
+            image_path = root / row["image"]
+            if image_path.is_file():
+                images = (ImageRef(path=str(image_path)),)
+        if question:
+            out.append(RequestSpec(len(out), question, images, n_out))
+    return out
+
+
+def image_folder(path: str | Path, output_tokens: int, question: str = "Describe the image.") -> list[RequestSpec]:
+    files = sorted(p for p in Path(path).iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+    if not files:
+        raise ValueError(f"no images ({', '.join(sorted(IMAGE_SUFFIXES))}) in {path}")
+    return [RequestSpec(i, question, (ImageRef(path=str(f)),), output_tokens)
+            for i, f in enumerate(files)]
+
+
+def load_workload(name_or_path: str, n: int, output_tokens: int | None, seed: int = 0) -> list[RequestSpec]:
+    """A preset name, or a dataset file/folder; the list is cycled to `n` requests."""
+    if name_or_path in PRESETS:
+        preset = PRESETS[name_or_path]
+        if output_tokens:
+            preset = dataclasses.replace(preset, output_tokens=output_tokens)
+        return preset.requests(n, seed)
+    path = Path(name_or_path)
+    if path.is_dir():
+        base = image_folder(path, output_tokens or 64)
+    elif path.suffix == ".jsonl":
+        base = aisbench_jsonl(path, output_tokens or 64)
+    elif path.suffix == ".json":
+        base = sharegpt_json(path, output_tokens)
+    else:
+        raise ValueError(f"unknown workload {name_or_path!r}: use a preset "
+                         f"({', '.join(PRESETS)}), a .jsonl (AISBench), a .json (ShareGPT) "
+                         "or a folder of images")
+    if not base:
+        raise ValueError(f"workload {name_or_path} holds no requests")
+    return [dataclasses.replace(base[i % len(base)], index=i) for i in range(n)]
+
+
+def build_bodies(specs: list[RequestSpec], model: str, ignore_eos: bool = True,
+                 progress=None) -> Iterator[bytes]:
+    """Serialise every request (streaming, with usage) to JSON bytes; images cached."""
+    cache: dict[ImageRef, str] = {}
+    for spec in specs:
+        urls = []
+        for ref in spec.images:
+            if ref not in cache:
+                cache[ref] = ref.data_url()
+            urls.append(cache[ref])
+        body = chat_body(model, spec.text, urls, max_tokens=spec.max_tokens, stream=True,
+                         ignore_eos=ignore_eos)
+        if progress:
+            progress()
+        yield json.dumps(body).encode()

