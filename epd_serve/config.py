@@ -6,8 +6,9 @@ can cause here comes out as a one-line ConfigError that says what to fix.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -137,7 +138,7 @@ def _flag_args(args: dict[str, ArgValue]) -> list[str]:
     return out
 
 
-def resolve(config: Deployment, root: Path) -> "ResolvedDeployment":
+def resolve(config: Deployment, root: Path) -> ResolvedDeployment:
     """Turn a deployment file into one InstanceLaunch per instance of its plan."""
     plan = config.plan
     model = _absolute(config.model, root)
@@ -188,14 +189,15 @@ def _absolute(value: str, root: Path) -> Path:
     return path if path.is_absolute() else (root / path).resolve()
 
 
-class ResolvedDeployment(BaseModel):
-    model_config = ConfigDict(arbitrary_types_allowed=True)
+@dataclasses.dataclass
+class ResolvedDeployment:
+    """A deployment file turned into concrete processes: one launch per instance."""
 
     config: Deployment
-    plan: Any
+    plan: topology.Plan
     model_dir: Path
     work_dir: Path
-    launches: list[Any]
+    launches: list[InstanceLaunch]
 
     @property
     def proxy_url(self) -> str:

@@ -7,7 +7,6 @@ then runs a short load and writes its report; then shuts everything down.
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
@@ -101,6 +100,3 @@ def run_demo(config_path: str, load_requests: int, out_dir: str) -> int:
     console.print("done", style="green")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(run_demo(sys.argv[1], 0, "results/demo"))

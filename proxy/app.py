@@ -24,24 +24,25 @@ logger = logging.getLogger("epd_serve.proxy")
 STAGES_HEADER = "x-epd-stages"
 
 
+async def _check_health(inst, client: httpx.AsyncClient) -> None:
+    try:
+        resp = await client.get(inst.entry.url + "/health", timeout=5.0)
+        healthy = resp.status_code == 200
+    except httpx.HTTPError as err:
+        healthy = False
+        inst.last_error = f"health: {type(err).__name__}"
+    if healthy != inst.healthy:
+        logger.info("instance %s is now %s", inst.name, "healthy" if healthy else "DOWN")
+        if not healthy:
+            inst.kv_engine_id = None  # a restarted engine gets a new id
+    inst.healthy = healthy
+
+
 async def _poll_health(table: InstanceTable, client: httpx.AsyncClient, interval: float) -> None:
     """Keep the status table's health column current; an instance that stops answering
     is skipped by routing until it answers again."""
     while True:
-        async def check(inst):
-            try:
-                resp = await client.get(inst.entry.url + "/health", timeout=5.0)
-                healthy = resp.status_code == 200
-            except httpx.HTTPError as err:
-                healthy = False
-                inst.last_error = f"health: {type(err).__name__}"
-            if healthy != inst.healthy:
-                logger.info("instance %s is now %s", inst.name, "healthy" if healthy else "DOWN")
-                if not healthy:
-                    inst.kv_engine_id = None  # a restarted engine gets a new id
-            inst.healthy = healthy
-
-        await asyncio.gather(*(check(i) for i in table.instances))
+        await asyncio.gather(*(_check_health(i, client) for i in table.instances))
         await asyncio.sleep(interval)
 
 
@@ -50,7 +51,8 @@ async def _read_body(request: Request) -> dict:
     try:
         body = json.loads(raw)
     except ValueError as err:
-        raise ProxyError(400, f"request body is not valid JSON: {err}", "invalid_request_error")
+        raise ProxyError(400, f"request body is not valid JSON: {err}",
+                         "invalid_request_error") from None
     if not isinstance(body, dict):
         raise ProxyError(400, "request body must be a JSON object", "invalid_request_error")
     return body

@@ -187,7 +187,8 @@ class Pipeline:
         except httpx.TransportError as err:
             inst.failures += 1
             inst.last_error = str(err)
-            raise ProxyError(502, f"decode instance {inst.name} failed: {err}", "upstream_error")
+            raise ProxyError(502, f"decode instance {inst.name} failed: {err}",
+                             "upstream_error") from None
         finally:
             inst.in_flight -= 1
         inst.served += 1
@@ -210,7 +211,8 @@ class Pipeline:
             inst.in_flight -= 1
             inst.failures += 1
             inst.last_error = str(err)
-            raise ProxyError(502, f"decode instance {inst.name} failed: {err}", "upstream_error")
+            raise ProxyError(502, f"decode instance {inst.name} failed: {err}",
+                             "upstream_error") from None
         if resp.status_code >= 400:
             text = (await resp.aread()).decode(errors="replace")
             await resp.aclose()

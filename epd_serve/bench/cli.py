@@ -13,7 +13,8 @@ def _rates(text: str) -> list[float]:
     try:
         rates = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"rates must be numbers separated by commas: {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"rates must be numbers separated by commas: {text!r}") from None
     if not rates or any(r <= 0 for r in rates):
         raise argparse.ArgumentTypeError("rates must be positive")
     return rates
@@ -23,7 +24,7 @@ def _range(text: str) -> tuple[float, float]:
     try:
         low, high = (float(x) for x in text.split(":"))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected LOW:HIGH, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected LOW:HIGH, got {text!r}") from None
     if not 0 < low < high:
         raise argparse.ArgumentTypeError("need 0 < LOW < HIGH")
     return low, high

@@ -7,7 +7,6 @@ import contextlib
 import json
 import time
 
-import httpx
 import pytest
 from fastapi.testclient import TestClient
 
