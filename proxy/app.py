@@ -24,13 +24,21 @@ logger = logging.getLogger("epd_serve.proxy")
 STAGES_HEADER = "x-epd-stages"
 
 
-async def _check_health(inst, client: httpx.AsyncClient) -> None:
+async def _check_health(inst, client: httpx.AsyncClient, unhealthy_after: int) -> None:
+    """An instance that refuses connections is down at once (its process is gone); one
+    that answers slowly or with an error is down after `unhealthy_after` checks in a
+    row, since a busy engine can miss a single poll while it is still serving."""
     try:
         resp = await client.get(inst.entry.url + "/health", timeout=5.0)
-        healthy = resp.status_code == 200
-    except httpx.HTTPError as err:
-        healthy = False
+        ok, refused = resp.status_code == 200, False
+    except httpx.ConnectError as err:
+        ok, refused = False, True
         inst.last_error = f"health: {type(err).__name__}"
+    except httpx.HTTPError as err:
+        ok, refused = False, False
+        inst.last_error = f"health: {type(err).__name__}"
+    inst.health_failures = 0 if ok else inst.health_failures + 1
+    healthy = ok or (inst.healthy and not refused and inst.health_failures < unhealthy_after)
     if healthy != inst.healthy:
         logger.info("instance %s is now %s", inst.name, "healthy" if healthy else "DOWN")
         if not healthy:
@@ -38,11 +46,13 @@ async def _check_health(inst, client: httpx.AsyncClient) -> None:
     inst.healthy = healthy
 
 
-async def _poll_health(table: InstanceTable, client: httpx.AsyncClient, interval: float) -> None:
+async def _poll_health(table: InstanceTable, client: httpx.AsyncClient, interval: float,
+                       unhealthy_after: int) -> None:
     """Keep the status table's health column current; an instance that stops answering
     is skipped by routing until it answers again."""
     while True:
-        await asyncio.gather(*(_check_health(i, client) for i in table.instances))
+        await asyncio.gather(*(_check_health(i, client, unhealthy_after)
+                               for i in table.instances))
         await asyncio.sleep(interval)
 
 
@@ -67,7 +77,8 @@ def create_app(config: ProxyConfig) -> FastAPI:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
         async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
             app.state.pipeline = Pipeline(table, client)
-            poller = asyncio.create_task(_poll_health(table, client, config.health_interval_s))
+            poller = asyncio.create_task(_poll_health(table, client, config.health_interval_s,
+                                                      config.unhealthy_after))
             try:
                 yield
             finally:

@@ -31,6 +31,8 @@ class ProxyConfig(BaseModel):
     instances: list[InstanceEntry]
     request_timeout_s: float = 600.0
     health_interval_s: float = 2.0
+    unhealthy_after: int = Field(3, description="Failed health checks in a row before an "
+                                 "instance that still accepts connections is skipped.")
 
     @classmethod
     def from_file(cls, path: str | Path) -> "ProxyConfig":
@@ -43,6 +45,7 @@ class InstanceState:
 
     entry: InstanceEntry
     healthy: bool = False
+    health_failures: int = 0  # consecutive failed health checks
     in_flight: int = 0
     served: int = 0
     failures: int = 0

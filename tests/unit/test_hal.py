@@ -107,6 +107,7 @@ def test_cpu_commands_use_our_connectors_and_kv_cache_env():
     assert kv["kv_connector_module_path"] == "epd_serve.connectors.mooncake_cpu"
     assert kv["kv_connector_extra_config"] == {"mooncake_protocol": "tcp"}
     assert p_env["MC_FORCE_TCP"] == "1" and p_env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    assert p_env["OMP_WAIT_POLICY"] == "PASSIVE" and p_env["KMP_BLOCKTIME"] == "0"
     assert "--enforce-eager" in p_cmd
     assert flag(p_cmd, "--limit-mm-per-prompt") == '{"image":2}'
     assert inst["d0"][1]["VLLM_CPU_KVCACHE_SPACE"] == "2"

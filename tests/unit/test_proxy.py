@@ -7,6 +7,7 @@ import contextlib
 import json
 import time
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
@@ -168,3 +169,29 @@ def test_models_and_completions_endpoints():
         resp = client.post("/v1/completions", json={"model": "fake", "prompt": "hi", "max_tokens": 2})
         assert resp.status_code == 200
         assert seen(apps["d1"])[0]["path"] == "/v1/completions"
+
+
+def test_slow_health_answers_do_not_take_a_busy_instance_out_at_once():
+    import asyncio
+
+    from epd_serve.proxy.app import _check_health
+    from epd_serve.proxy.state import InstanceEntry, InstanceState
+
+    def transport(behaviour):
+        def handler(request):
+            if behaviour == "timeout":
+                raise httpx.ReadTimeout("slow", request=request)
+            raise httpx.ConnectError("refused", request=request)
+        return httpx.MockTransport(handler)
+
+    async def run(behaviour, checks):
+        inst = InstanceState(InstanceEntry(name="d0", roles="D", url="http://d0"), healthy=True)
+        async with httpx.AsyncClient(transport=transport(behaviour)) as client:
+            states = []
+            for _ in range(checks):
+                await _check_health(inst, client, unhealthy_after=3)
+                states.append(inst.healthy)
+        return states
+
+    assert asyncio.run(run("timeout", 3)) == [True, True, False]
+    assert asyncio.run(run("refused", 1)) == [False]
