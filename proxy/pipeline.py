@@ -129,9 +129,9 @@ class Pipeline:
         return inst.kv_engine_id
 
     # -- the flow -----------------------------------------------------------
-    async def prepare(self, path: str, body: dict) -> tuple[Trip, InstanceState, dict]:
-        """Run every stage before the one that streams tokens back; return the final
-        instance and the body to send it."""
+    async def prepare(self, path: str, body: dict) -> tuple[Trip, list[InstanceState], dict]:
+        """Run every stage before the one that streams tokens back; return the
+        instances that can run the final stage (in turn order) and the body to send."""
         trip = Trip(request_id=f"epd-{uuid.uuid4().hex}", multimodal=is_multimodal(body))
         final_body = copy.deepcopy(body)
 
@@ -154,7 +154,7 @@ class Pipeline:
         if not prefill_order:
             raise ProxyError(503, "no healthy instance runs stage P", "service_unavailable")
         if prefill_order[0].runs("D"):
-            return trip, prefill_order[0], final_body
+            return trip, [i for i in prefill_order if i.runs("D")], final_body
 
         transfer_id = uuid.uuid4().hex
         prefill_body = _single_token(final_body)
@@ -172,53 +172,47 @@ class Pipeline:
             "remote_engine_id": await self._kv_engine_id(p_inst),
             "transfer_id": transfer_id,
         }
+        # Any decode instance can pull this transfer, so all of them are candidates.
         order = self.table.order("D")
         if not order:
             raise ProxyError(503, "no healthy instance runs stage D", "service_unavailable")
-        return trip, order[0], final_body
+        return trip, order, final_body
 
     async def complete(self, path: str, body: dict) -> tuple[Trip, dict]:
-        trip, inst, final_body = await self.prepare(path, body)
-        stage = "D" if inst.runs("D") and not inst.runs("P") else "PD"
-        start = time.perf_counter()
-        inst.in_flight += 1
-        try:
-            result = await self._post_json(inst, path, final_body, trip.request_id)
-        except httpx.TransportError as err:
-            inst.failures += 1
-            inst.last_error = str(err)
-            raise ProxyError(502, f"decode instance {inst.name} failed: {err}",
-                             "upstream_error") from None
-        finally:
-            inst.in_flight -= 1
-        inst.served += 1
-        trip.stages.append(StageRecord(stage, inst.name, (time.perf_counter() - start) * 1e3))
+        trip, candidates, final_body = await self.prepare(path, body)
+        _, result = await self._run_stage(_final_stage(candidates[0]), path, final_body, trip,
+                                          candidates)
         return trip, result
 
     async def open_stream(self, path: str, body: dict) -> tuple[Trip, AsyncIterator[bytes]]:
         """Start the final stage as a stream; errors before the first byte raise
         ProxyError (the client still gets a proper status)."""
-        trip, inst, final_body = await self.prepare(path, body)
-        stage = "D" if inst.runs("D") and not inst.runs("P") else "PD"
-        request = self.client.build_request(
-            "POST", inst.entry.url + path, json=final_body,
-            headers={"X-Request-Id": trip.request_id},
-        )
-        inst.in_flight += 1
-        try:
-            resp = await self.client.send(request, stream=True)
-        except httpx.TransportError as err:
-            inst.in_flight -= 1
-            inst.failures += 1
-            inst.last_error = str(err)
-            raise ProxyError(502, f"decode instance {inst.name} failed: {err}",
-                             "upstream_error") from None
+        trip, candidates, final_body = await self.prepare(path, body)
+        last: Exception | None = None
+        for inst in candidates:
+            request = self.client.build_request(
+                "POST", inst.entry.url + path, json=final_body,
+                headers={"X-Request-Id": trip.request_id},
+            )
+            inst.in_flight += 1
+            try:
+                resp = await self.client.send(request, stream=True)
+            except httpx.TransportError as err:
+                inst.in_flight -= 1
+                inst.failures += 1
+                inst.last_error = f"{type(err).__name__}: {err}"
+                last = err
+                continue
+            break
+        else:
+            raise ProxyError(502, f"every {_final_stage(candidates[0])} instance failed; "
+                                  f"last error: {last}", "upstream_error")
         if resp.status_code >= 400:
             text = (await resp.aread()).decode(errors="replace")
             await resp.aclose()
             inst.in_flight -= 1
             raise _upstream_error(inst, resp.status_code, text)
-        trip.stages.append(StageRecord(stage, inst.name))
+        trip.stages.append(StageRecord(_final_stage(inst), inst.name))
 
         async def relay() -> AsyncIterator[bytes]:
             try:
@@ -230,6 +224,11 @@ class Pipeline:
                 await resp.aclose()
 
         return trip, relay()
+
+
+def _final_stage(inst: InstanceState) -> str:
+    """Label of the stage that produces the answer: D, or PD for a merged instance."""
+    return "D" if not inst.runs("P") else "PD"
 
 
 def _single_token(body: dict) -> dict:

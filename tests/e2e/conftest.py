@@ -9,7 +9,6 @@ so these tests refuse to run outside a loopback-only network namespace
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,8 @@ import pytest
 from epd_serve import config
 from epd_serve.cli import bring_up
 from epd_serve.tinymodel import build_tiny_model
+
+from ..ports import free_port_block
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -42,21 +43,6 @@ def tiny_model(tmp_path_factory) -> Path:
     return build_tiny_model("qwen2_vl", tmp_path_factory.mktemp("models") / "tiny-qwen2-vl")
 
 
-def _free_base(count: int, start: int = 23000) -> int:
-    for base in range(start, 60000, 50):
-        with_all = True
-        for port in range(base, base + count):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port))
-                except OSError:
-                    with_all = False
-                    break
-        if with_all:
-            return base
-    raise RuntimeError("no free port block")
-
-
 class Deployments:
     """Keeps at most one real deployment up; reuses it for consecutive requests."""
 
@@ -70,7 +56,7 @@ class Deployments:
             return self.current[1]
         self.stop()
         cfg, _ = config.load(REPO / "configs" / "cpu" / config_file)
-        base = _free_base(40)
+        base = free_port_block(40, start=23000)
         cfg = cfg.model_copy(update={
             "model": str(self.model), "tiny_model": None,
             "proxy_port": base, "base_port": base + 10, "kv_bootstrap_base_port": base + 30,

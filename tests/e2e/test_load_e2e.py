@@ -12,7 +12,8 @@ from epd_serve.bench.metrics import SLO
 from epd_serve.bench.report import write_report
 from epd_serve.bench.runner import LoadSpec, compare_deployments, sweep
 
-from .conftest import REPO, _free_base
+from ..ports import free_port_block
+from .conftest import REPO
 
 REPORT_FILES = ("results.json", "summary.csv", "requests.csv", "vs_rate.png", "ttft_tpot.png",
                 "report.html")
@@ -49,7 +50,7 @@ def test_two_rate_sweep_on_e_p_d_writes_every_report_file(deployments, tmp_path)
 def test_compare_brings_a_deployment_up_runs_it_and_tears_it_down(deployments, tmp_path,
                                                                    tiny_model):
     deployments.stop()  # at most three engines at once
-    base = _free_base(40, start=31000)
+    base = free_port_block(40, start=31000)
     cfg = yaml.safe_load((REPO / "configs/cpu/tp1.yaml").read_text())
     cfg.update(model=str(tiny_model), tiny_model=None, proxy_port=base, base_port=base + 10,
                kv_bootstrap_base_port=base + 30, work_dir=str(tmp_path / "work"))

@@ -19,6 +19,8 @@ from epd_serve.launcher import LaunchError, Launcher, stop_from_state
 from epd_serve.payloads import chat_body
 from epd_serve.shell import emit_shell
 
+from ..ports import free_port_block
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -30,22 +32,6 @@ class FakeEnginePlatform(CpuPlatform):
 
     def check_available(self) -> None:
         pass
-
-
-def free_port_block(n: int) -> int:
-    """A base port with n free ports after it."""
-    for base in range(21000, 60000, 97):
-        ok = True
-        for port in range(base, base + n):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise RuntimeError("no free ports")
 
 
 def write_config(tmp_path: Path, text: str) -> Path:

@@ -195,3 +195,11 @@ def test_slow_health_answers_do_not_take_a_busy_instance_out_at_once():
 
     assert asyncio.run(run("timeout", 3)) == [True, True, False]
     assert asyncio.run(run("refused", 1)) == [False]
+
+
+def test_unreachable_decode_instance_fails_over_for_plain_and_streamed_answers():
+    with deployment(["P", "D", "D"], dead={"d1"}) as (client, apps):
+        for stream in (False, True, False):
+            resp = client.post("/v1/chat/completions", json=chat_body("fake", "x", stream=stream))
+            assert resp.status_code == 200
+        assert len(seen(apps["d2"])) == 3
