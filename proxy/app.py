@@ -74,7 +74,10 @@ def create_app(config: ProxyConfig) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         timeout = httpx.Timeout(config.request_timeout_s, connect=10.0)
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
+        # Drop idle connections before the instances do (uvicorn closes them after 5 s),
+        # so a request is rarely sent on a connection that is being closed.
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=512,
+                              keepalive_expiry=2.0)
         async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
             app.state.pipeline = Pipeline(table, client)
             poller = asyncio.create_task(_poll_health(table, client, config.health_interval_s,
@@ -92,6 +95,9 @@ def create_app(config: ProxyConfig) -> FastAPI:
 
     @app.exception_handler(ProxyError)
     async def _proxy_error(request: Request, err: ProxyError):
+        if err.status >= 500:
+            logger.warning("%s %s -> %d: %s", request.method, request.url.path, err.status,
+                           err.message)
         return JSONResponse(err.to_body(), status_code=err.status)
 
     async def generate(request: Request, path: str, required: str) -> object:

@@ -92,16 +92,15 @@ class Pipeline:
         order = self.table.order(stage) if order is None else order
         if not order:
             raise ProxyError(503, f"no healthy instance runs stage {stage}", "service_unavailable")
-        last: Exception | None = None
+        last = ""
         for inst in order:
             start = time.perf_counter()
             inst.in_flight += 1
             try:
-                result = await self._post_json(inst, path, body, trip.request_id)
+                result = await self._post_with_reconnect(inst, path, body, trip.request_id)
             except httpx.TransportError as err:
                 inst.failures += 1
-                inst.last_error = f"{type(err).__name__}: {err}"
-                last = err
+                inst.last_error = last = f"{type(err).__name__}: {err}"
                 continue
             finally:
                 inst.in_flight -= 1
@@ -109,6 +108,15 @@ class Pipeline:
             trip.stages.append(StageRecord(stage, inst.name, (time.perf_counter() - start) * 1e3))
             return inst, result
         raise ProxyError(502, f"every {stage} instance failed; last error: {last}", "upstream_error")
+
+    async def _post_with_reconnect(self, inst: InstanceState, path: str, body: dict,
+                                   request_id: str) -> dict:
+        """A pooled keep-alive connection that the instance closed just as we reused it
+        fails before the request is read; one retry on a fresh connection is safe."""
+        try:
+            return await self._post_json(inst, path, body, request_id)
+        except httpx.RemoteProtocolError:
+            return await self._post_json(inst, path, body, request_id)
 
     async def _kv_engine_id(self, inst: InstanceState) -> str:
         """The prefill engine's id, from its Mooncake bootstrap server (cached)."""

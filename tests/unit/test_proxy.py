@@ -203,3 +203,27 @@ def test_unreachable_decode_instance_fails_over_for_plain_and_streamed_answers()
             resp = client.post("/v1/chat/completions", json=chat_body("fake", "x", stream=stream))
             assert resp.status_code == 200
         assert len(seen(apps["d2"])) == 3
+
+
+def test_a_connection_closed_under_a_request_is_retried_once():
+    import asyncio
+
+    from epd_serve.proxy.pipeline import Pipeline, Trip
+    from epd_serve.proxy.state import InstanceEntry, InstanceTable
+
+    calls = []
+
+    def handler(request):
+        calls.append(request.url.path)
+        if len(calls) == 1:
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+        return httpx.Response(200, json={"ok": True})
+
+    async def run():
+        table = InstanceTable([InstanceEntry(name="p0", roles="P", url="http://p0")])
+        table.instances[0].healthy = True
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            return await Pipeline(table, client)._run_stage("P", "/v1/x", {}, Trip("r", False))
+
+    inst, result = asyncio.run(run())
+    assert result == {"ok": True} and len(calls) == 2 and inst.failures == 0
