@@ -38,10 +38,12 @@ def cmd_topology(args) -> int:
 
 
 def cmd_model(args) -> int:
-    from epd_serve.tinymodel import build_tiny_model
+    from epd_serve.tinymodel import Shape, build_tiny_model
 
-    out = build_tiny_model(args.family, args.out, seed=args.seed)
-    print(f"built tiny {args.family} model in {out}")
+    shape = Shape(layers=args.layers, hidden=args.hidden, heads=args.heads,
+                  kv_heads=args.kv_heads)
+    out = build_tiny_model(args.family, args.out, seed=args.seed, shape=shape)
+    print(f"built tiny {args.family} model ({shape.layers} layers, hidden {shape.hidden}) in {out}")
     return 0
 
 
@@ -157,6 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
     t = msub.add_parser("tiny", help="a tiny random-weight Qwen-VL model, built offline")
     t.add_argument("--family", choices=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"], default="qwen2_vl")
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--layers", type=int, default=2, help="language model layers (Qwen2-VL-7B: 28)")
+    t.add_argument("--hidden", type=int, default=256, help="hidden size")
+    t.add_argument("--heads", type=int, default=4, help="attention heads")
+    t.add_argument("--kv-heads", type=int, default=2, help="key/value heads")
     t.add_argument("out", help="output directory")
     t.set_defaults(func=cmd_model)
 

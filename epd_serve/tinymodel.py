@@ -7,6 +7,7 @@ the tokenizer is a byte-level BPE trained here on a built-in corpus.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -100,18 +101,39 @@ def build_tokenizer(out: Path):
     return fast
 
 
-def _config(family: str, tok) -> object:
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """Size of the language model: deep enough to matter for per-layer KV transfer
+    (Qwen2-VL-7B has 28 layers), narrow enough for a 2-core machine."""
+
+    layers: int = TEXT_LAYERS
+    hidden: int = HIDDEN
+    heads: int = HEADS
+    kv_heads: int = KV_HEADS
+
+    def __post_init__(self):
+        if min(self.layers, self.hidden, self.heads, self.kv_heads) < 1:
+            raise ValueError("layers, hidden, heads and kv_heads must be positive")
+        if self.hidden % self.heads or self.heads % self.kv_heads:
+            raise ValueError(f"hidden ({self.hidden}) must be a multiple of heads "
+                             f"({self.heads}), and heads of kv_heads ({self.kv_heads})")
+        if (self.hidden // self.heads) % 16:
+            raise ValueError(f"head size hidden/heads = {self.hidden // self.heads} must be "
+                             "a multiple of 16 (rotary sections, CPU attention kernels)")
+
+
+def _config(family: str, tok, shape: Shape) -> object:
     import transformers
 
     ids = {name: tok.convert_tokens_to_ids(name) for name in SPECIAL_TOKENS}
     vocab = ((len(tok) + 63) // 64) * 64  # pad like Qwen does, to a multiple of 64
     text = dict(
         vocab_size=vocab,
-        hidden_size=HIDDEN,
-        intermediate_size=HIDDEN * 2,
-        num_hidden_layers=TEXT_LAYERS,
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.hidden * 2,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
         max_position_embeddings=32768,
         rms_norm_eps=1e-6,
         tie_word_embeddings=True,
@@ -119,7 +141,7 @@ def _config(family: str, tok) -> object:
         eos_token_id=ids["<|im_end|>"],
         pad_token_id=ids["<|endoftext|>"],
     )
-    head_dim = HIDDEN // HEADS
+    head_dim = shape.hidden // shape.heads
     # mrope splits half the head dim over (temporal, height, width).
     mrope = [head_dim // 8, head_dim * 3 // 16, head_dim * 3 // 16]
     common = dict(
@@ -131,13 +153,13 @@ def _config(family: str, tok) -> object:
     )
     if family == "qwen2_vl":
         text["rope_scaling"] = {"type": "mrope", "mrope_section": mrope}
-        vision = dict(depth=VISION_DEPTH, embed_dim=VISION_EMBED, hidden_size=HIDDEN,
+        vision = dict(depth=VISION_DEPTH, embed_dim=VISION_EMBED, hidden_size=shape.hidden,
                       num_heads=HEADS, mlp_ratio=2, patch_size=14, spatial_merge_size=2,
                       temporal_patch_size=2)
         return transformers.Qwen2VLConfig(text_config=text, vision_config=vision, **common)
     if family == "qwen2_5_vl":
         text["rope_scaling"] = {"type": "mrope", "mrope_section": mrope}
-        vision = dict(depth=VISION_DEPTH, hidden_size=VISION_EMBED, out_hidden_size=HIDDEN,
+        vision = dict(depth=VISION_DEPTH, hidden_size=VISION_EMBED, out_hidden_size=shape.hidden,
                       intermediate_size=VISION_EMBED * 2, num_heads=HEADS, patch_size=14,
                       spatial_merge_size=2, temporal_patch_size=2, window_size=112,
                       fullatt_block_indexes=[VISION_DEPTH - 1])
@@ -146,7 +168,7 @@ def _config(family: str, tok) -> object:
         text["head_dim"] = head_dim
         text["rope_scaling"] = {"rope_type": "default", "mrope_section": mrope,
                                 "mrope_interleaved": True}
-        vision = dict(depth=VISION_DEPTH, hidden_size=VISION_EMBED, out_hidden_size=HIDDEN,
+        vision = dict(depth=VISION_DEPTH, hidden_size=VISION_EMBED, out_hidden_size=shape.hidden,
                       intermediate_size=VISION_EMBED * 2, num_heads=HEADS, patch_size=16,
                       spatial_merge_size=2, temporal_patch_size=2,
                       num_position_embeddings=2304, deepstack_visual_indexes=[0])
@@ -169,7 +191,7 @@ def _processor(family: str, tok):
                chat_template=CHAT_TEMPLATE)
 
 
-def build_tiny_model(family: str, out: str | Path, seed: int = 0) -> Path:
+def build_tiny_model(family: str, out: str | Path, seed: int = 0, shape: Shape = Shape()) -> Path:
     """Write a deterministic random-weight model directory that vLLM can serve."""
     if family not in FAMILIES:
         raise ValueError(f"unknown model family {family!r}; choose one of {', '.join(FAMILIES)}")
@@ -179,7 +201,7 @@ def build_tiny_model(family: str, out: str | Path, seed: int = 0) -> Path:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(out)
-    config = _config(family, tok)
+    config = _config(family, tok, shape)
     torch.manual_seed(seed)
     model_cls = {
         "qwen2_vl": transformers.Qwen2VLForConditionalGeneration,
@@ -189,7 +211,8 @@ def build_tiny_model(family: str, out: str | Path, seed: int = 0) -> Path:
     model = model_cls(config).to(torch.bfloat16)
     model.save_pretrained(out)
     _processor(family, tok).save_pretrained(out)
-    (out / "epd_tiny_model.json").write_text(json.dumps({"family": family, "seed": seed}))
+    (out / "epd_tiny_model.json").write_text(
+        json.dumps({"family": family, "seed": seed, **dataclasses.asdict(shape)}))
     return out
 
 
