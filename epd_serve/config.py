@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -18,9 +18,11 @@ from epd_serve.hal import (
     PLATFORMS,
     InstanceLaunch,
     ec_role_for,
+    get_platform,
     kv_role_for,
     memory_shares,
 )
+from epd_serve.kv_protocols import get_protocol
 
 ArgValue = str | int | float | bool | None
 
@@ -48,8 +50,18 @@ class Deployment(BaseModel):
     host: str = Field("127.0.0.1", description="Address every server binds to.")
     proxy_port: int = Field(8000, description="Port of the OpenAI-compatible proxy.")
     base_port: int = Field(8100, description="Instance i serves HTTP on base_port + i.")
-    kv_bootstrap_base_port: int = Field(
-        8900, description="KV producer i serves its Mooncake bootstrap on this + i."
+    kv_base_port: int = Field(
+        8900, description="KV ports, handed out in plan order to instances that send or "
+        "receive KV, one per tensor-parallel rank (side channel or bootstrap server)."
+    )
+    kv_connector: str | None = Field(
+        None, description="How KV travels from prefill to decode: 'epd' (ours, layer groups "
+        "pushed during prefill), 'mooncake' (vLLM's, pulled after prefill) or "
+        "'ascend-layerwise' (vllm-ascend's); default: the platform's choice."
+    )
+    kv_connector_config: dict[str, Any] = Field(
+        default_factory=dict, description="Settings for the KV connector, e.g. for 'epd': "
+        "mode (whole | layer | group), group_size ('auto' or layers), timeouts."
     )
     devices: list[int] | None = Field(
         None, description="Physical device ids, in plan order; default 0..N-1."
@@ -150,18 +162,19 @@ def resolve(config: Deployment, root: Path) -> ResolvedDeployment:
             f"but 'devices' lists {len(device_map)}"
         )
     shares = memory_shares(plan)
+    protocol = kv_protocol_of(config)
     launches = []
-    producers = 0
+    next_kv_port = config.kv_base_port
     for index, inst in enumerate(plan.instances):
         args = dict(config.engine_args)
         for role, role_args in config.role_engine_args.items():
             if role in inst.roles:
                 args.update(role_args)
         kv_role = kv_role_for(inst)
-        bootstrap = None
-        if kv_role == "kv_producer":
-            bootstrap = config.kv_bootstrap_base_port + producers
-            producers += 1
+        kv_port = None
+        if kv_role is not None:
+            kv_port = next_kv_port
+            next_kv_port += inst.tensor_parallel
         launches.append(
             InstanceLaunch(
                 instance=inst,
@@ -175,13 +188,28 @@ def resolve(config: Deployment, root: Path) -> ResolvedDeployment:
                 ec_role=ec_role_for(inst, plan),
                 ec_storage_path=str(work_dir / "ec_cache"),
                 kv_role=kv_role,
-                kv_bootstrap_port=bootstrap,
+                kv_protocol=protocol,
+                kv_port=kv_port,
+                kv_config=tuple(sorted(config.kv_connector_config.items())),
                 extra_args=tuple(_flag_args(args)),
                 extra_env=tuple(sorted(config.env.items())),
             )
         )
     return ResolvedDeployment(config=config, plan=plan, model_dir=model, work_dir=work_dir,
                               launches=launches)
+
+
+def kv_protocol_of(config: Deployment) -> str:
+    """The deployment's KV protocol, checked against its platform and settings."""
+    platform = get_platform(config.platform)
+    name = config.kv_connector or platform.default_kv_protocol
+    try:
+        protocol = get_protocol(name)
+        platform.kv_connector(name)
+        protocol.validate(dict(config.kv_connector_config))
+    except ValueError as err:
+        raise ConfigError(f"{config.name}: {err}") from None
+    return name
 
 
 def _absolute(value: str, root: Path) -> Path:
@@ -208,8 +236,9 @@ class ResolvedDeployment:
         ports = {self.config.proxy_port: "proxy"}
         for launch in self.launches:
             ports[launch.port] = f"instance {launch.name}"
-            if launch.kv_bootstrap_port is not None:
-                ports[launch.kv_bootstrap_port] = f"KV bootstrap of {launch.name}"
+            if launch.kv_port is not None:
+                for rank in range(launch.instance.tensor_parallel):
+                    ports[launch.kv_port + rank] = f"KV port of {launch.name}"
         return ports
 
 

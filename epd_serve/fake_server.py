@@ -18,6 +18,7 @@ import threading
 import time
 import uuid
 
+import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -48,17 +49,26 @@ def create_fake_app(name: str = "fake", ttft_ms: float = 0.0, itl_ms: float = 0.
 
     async def generate(request: Request, kind: str):
         body = await request.json()
+        request_id = request.headers.get("x-request-id")
         app.state.requests.append({"path": request.url.path, "body": body,
-                                   "request_id": request.headers.get("x-request-id")})
+                                   "request_id": request_id})
         if app.state.fail_status:
             return JSONResponse({"error": {"message": f"{name} is failing on purpose"}},
                                 status_code=app.state.fail_status)
+        kv_params = body.get("kv_transfer_params") or {}
+        if kv_params.get("metaserver"):
+            await _report_blocks(kv_params["metaserver"], name, kind, request_id)
+        if kv_params.get("do_remote_prefill") and kv_params.get("remote_host"):
+            # What our KV connector's decode side reports once the KV has landed.
+            kv_params = {"epd_kv": {"transfer_id": kv_params.get("transfer_id"),
+                                    "outcome": "done", "mode": "group", "bytes": 65536,
+                                    "groups": 2, "transfer_ms": 0.5, "exposed_ms": 0.0}}
         n = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
         prompt_tokens = len(json.dumps(body.get("messages") or body.get("prompt")))
         rid = f"cmpl-{uuid.uuid4().hex[:12]}"
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n,
                  "total_tokens": prompt_tokens + n}
-        extra = {"kv_transfer_params": body.get("kv_transfer_params"),
+        extra = {"kv_transfer_params": kv_params or None,
                  "ec_transfer_params": {"served_by": name}}
 
         def choice_chunk(i: int) -> dict:
@@ -101,6 +111,21 @@ def create_fake_app(name: str = "fake", ttft_ms: float = 0.0, itl_ms: float = 0.
         return await generate(request, "text")
 
     return app
+
+
+async def _report_blocks(metaserver: str, name: str, kind: str, request_id: str | None) -> None:
+    """What vllm-ascend's layerwise decode scheduler does once it has allocated blocks:
+    POST its blocks and address to the proxy's metaserver, naming the request by the id
+    vLLM derives from X-Request-Id, and wait for the answer (it ignores the status)."""
+    engine_request_id = f"chatcmpl-{request_id}" if kind == "chat" else f"cmpl-{request_id}-0"
+    report = {"token_ids": [], "request_id": engine_request_id,
+              "do_remote_prefill": False, "do_remote_decode": True,
+              "remote_block_ids": [[7, 8, 9]], "remote_block_size": [128],
+              "remote_engine_id": f"engine-{name}", "remote_host": "127.0.0.1",
+              "remote_port": 30000, "remote_tp_size": 1, "remote_pcp_size": 1,
+              "remote_dcp_size": 1, "remote_cached_tokens": 0}
+    async with httpx.AsyncClient(timeout=None) as client:
+        await client.post(metaserver, json=report)
 
 
 class ThreadedServer:

@@ -15,6 +15,7 @@ import sys
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
+from epd_serve.kv_protocols import Connector, get_protocol
 from epd_serve.topology import Instance, Plan, Role
 
 PLATFORMS = ("cpu", "cuda", "ascend")
@@ -23,15 +24,6 @@ PLATFORMS = ("cpu", "cuda", "ascend")
 # vision tower and its activations, far less than an LLM instance's weights + KV cache.
 ENCODER_WEIGHT = 1.0
 LLM_WEIGHT = 4.0
-
-
-@dataclasses.dataclass(frozen=True)
-class Connector:
-    """A vLLM connector: its registered name, where to import it from, extra config."""
-
-    name: str
-    module_path: str | None = None
-    extra_config: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +41,9 @@ class InstanceLaunch:
     ec_role: str | None = None  # ec_producer | ec_consumer | None
     ec_storage_path: str | None = None
     kv_role: str | None = None  # kv_producer | kv_consumer | None
-    kv_bootstrap_port: int | None = None  # producers serve their KV bootstrap here
+    kv_protocol: str = "epd"  # how KV travels P -> D (epd_serve/kv_protocols.py)
+    kv_port: int | None = None  # first of the instance's KV ports (one per TP rank)
+    kv_config: tuple[tuple[str, Any], ...] = ()  # the deployment's kv_connector_config
     extra_args: tuple[str, ...] = ()
     extra_env: tuple[tuple[str, str], ...] = ()
 
@@ -108,8 +102,10 @@ class Platform(ABC):
     # is given through the environment instead.
     memory_flag: ClassVar[str | None]
     attention_backend: ClassVar[str | None]
-    # Pinned to a vLLM release line; connector names were renamed between releases.
-    kv_connector: ClassVar[Connector]
+    # KV protocol name -> the connector that speaks it on this platform (pinned to a
+    # vLLM release line: connector names were renamed between releases).
+    kv_connectors: ClassVar[dict[str, Connector]]
+    default_kv_protocol: ClassVar[str]
     ec_connector: ClassVar[Connector]
     # Fraction of a device's memory that all instances on it may use together.
     usable_memory: ClassVar[float] = 0.9
@@ -133,10 +129,18 @@ class Platform(ABC):
         """Extra flags this platform always passes."""
         return []
 
+    def kv_connector(self, protocol: str) -> Connector:
+        if protocol not in self.kv_connectors:
+            raise ValueError(f"KV connector {protocol!r} does not run on {self.name}; "
+                             f"choose one of {', '.join(self.kv_connectors)}")
+        return self.kv_connectors[protocol]
+
     def kv_transfer_config(self, launch: InstanceLaunch) -> dict[str, Any] | None:
         if launch.kv_role is None:
             return None
-        cfg = _connector_config("kv", self.kv_connector, launch.kv_role)
+        cfg = get_protocol(launch.kv_protocol).transfer_config(
+            launch, self.kv_connector(launch.kv_protocol), dict(launch.kv_config),
+            launch.instance.tensor_parallel)
         if launch.kv_role == "kv_consumer":
             # A KV transfer that fails must cost time, not the request: decode then
             # computes the prompt itself.
@@ -179,8 +183,8 @@ class Platform(ABC):
         env = {"HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": launch.host}
         if self.device_visibility_env:
             env[self.device_visibility_env] = ",".join(str(d) for d in launch.devices)
-        if launch.kv_role == "kv_producer" and launch.kv_bootstrap_port is not None:
-            env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = str(launch.kv_bootstrap_port)
+        if launch.kv_role is not None:
+            env.update(get_protocol(launch.kv_protocol).environment(launch))
         env.update(self.platform_env(launch))
         env.update(dict(launch.extra_env))
         return env

@@ -1,10 +1,20 @@
 """Starts, watches and stops every process of a deployment: the instances and the proxy.
 
-Runs in the `epd-serve up` process (or a test fixture). Each child gets its own
-process group so that stopping it also stops the engine-core and worker processes vLLM
-forks; on Linux each child is also told to die with the launcher (PR_SET_PDEATHSIG),
-so a killed launcher leaves no orphans. State (pids) goes to <work_dir>/state.json so
-`epd-serve down` can stop a deployment started elsewhere.
+Runs in the `epd-serve up` process (or a test fixture); `stop_from_state` runs in
+`epd-serve down`. Each child gets its own process group, and on Linux is told to die
+with the launcher (PR_SET_PDEATHSIG). Neither reaches far enough on its own: vLLM's API
+server forks an engine-core process that forks workers, and when the API server dies
+those are reparented to init, keep their ~2 GB, and the death signal (cleared on fork)
+never reaches them. So every child's environment also carries a tag,
+EPD_SERVE_PROCESS=<deployment>/<child>/<token>, which all its descendants inherit: a
+child's "tree" is its leader's process group plus every process carrying its tag, and
+that whole tree is killed when the leader dies (before the restart) and on stop. State
+(pids and tags) goes to <work_dir>/state.json so `epd-serve down` can do the same for a
+deployment started elsewhere.
+
+It must never signal a process it cannot tie to the deployment: a recorded process group
+counts only while one of its members still carries the child's tag, because a pid read
+from an old state file may since have been reused by something else.
 """
 
 from __future__ import annotations
@@ -13,22 +23,33 @@ import ctypes
 import dataclasses
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+import typing
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import httpx
+import psutil
 
 from epd_serve.config import ConfigError, ResolvedDeployment
 from epd_serve.hal import InstanceLaunch, Platform, get_platform
+from epd_serve.kv_protocols import get_protocol
+from epd_serve.proxy.state import InstanceEntry, ProxyConfig
 from epd_serve.tinymodel import is_model_dir
 
 STOP_GRACE_S = 20.0
+# A dead child's leftovers are killed before its restart, so the supervisor waits only
+# briefly for them to exit on SIGTERM (vLLM's engine core does, within a second).
+LEFTOVER_GRACE_S = 2.0
+KILL_WAIT_S = 1.0  # for a SIGKILLed process to be gone
+KILL_ROUNDS = 3  # look again after each SIGKILL: something may have forked meanwhile
+TAG_ENV = "EPD_SERVE_PROCESS"
 
 
 class LaunchError(RuntimeError):
@@ -66,7 +87,7 @@ def preflight(dep: ResolvedDeployment, platform: Platform) -> None:
             raise ConfigError(
                 f"port {port} ({user}) on {dep.config.host} is in use; stop what holds it "
                 f"(`epd-serve down CONFIG` if it is an earlier deployment) or change "
-                "proxy_port/base_port/kv_bootstrap_base_port in the deployment file"
+                "proxy_port/base_port/kv_base_port in the deployment file"
             )
     try:
         platform.check_available()
@@ -74,21 +95,144 @@ def preflight(dep: ResolvedDeployment, platform: Platform) -> None:
         raise LaunchError(str(err)) from None
 
 
-def proxy_config(dep: ResolvedDeployment) -> dict:
+def proxy_config(dep: ResolvedDeployment) -> ProxyConfig:
+    """The proxy's typed view of the deployment, KV hand-off included."""
     instances = []
     for launch in dep.launches:
-        entry = {"name": launch.name, "roles": launch.instance.roles, "url": launch.url}
-        if launch.kv_bootstrap_port is not None:
-            entry["kv_bootstrap_url"] = f"http://{launch.host}:{launch.kv_bootstrap_port}"
-        instances.append(entry)
-    return {
-        "model": dep.launches[0].served_model_name,
-        "host": dep.config.host,
-        "port": dep.config.proxy_port,
-        "instances": instances,
-    }
+        endpoint = None
+        if launch.kv_role is not None:
+            endpoint = get_protocol(launch.kv_protocol).proxy_endpoint(launch)
+        instances.append(InstanceEntry(name=launch.name, roles=launch.instance.roles,
+                                       url=launch.url, kv_endpoint=endpoint))
+    return ProxyConfig(
+        model=dep.launches[0].served_model_name,
+        host=dep.config.host,
+        port=dep.config.proxy_port,
+        kv_protocol=dep.launches[0].kv_protocol,
+        instances=instances,
+    )
 
 
+# -- process trees ----------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ProcessTree:
+    """What one child started: the process group its leader heads (start_new_session
+    makes pgid == leader pid) and every process carrying its tag. tag None means a state
+    file from before tags, whose recorded group is trusted as it always was."""
+
+    tag: str | None
+    pgid: int | None
+
+
+class Sweep(typing.NamedTuple):
+    killed: int  # processes of the trees that were running when the sweep began or later
+    survivors: list[int]  # pids still running after the last SIGKILL (stuck in the kernel)
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
+
+
+def _is_gone(proc: psutil.Process) -> bool:
+    """Exited, or a zombie: a zombie holds no memory and only waits for its parent."""
+    try:
+        return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.AccessDenied:
+        return False
+
+
+def _tag_of(proc: psutil.Process) -> str | None:
+    # environ is None where it cannot be read: another user's process, or a zombie.
+    return (proc.info["environ"] or {}).get(TAG_ENV)
+
+
+def find_tree_processes(trees: list[ProcessTree],
+                        known: Iterable[psutil.Process] = ()) -> dict[int, psutil.Process]:
+    """Running processes of the trees (never this process), by pid: tagged ones, the
+    members of a group one of them is in, and the descendants of all those (in case one
+    dropped both the tag and the group). `known` are processes an earlier look found:
+    they stay in the tree after the tagged processes that tied them to it are gone."""
+    tags = {tree.tag for tree in trees if tree.tag}
+    group_tag = {tree.pgid: tree.tag for tree in trees if tree.pgid}
+    procs: dict[int, psutil.Process] = {}
+    tagged: set[int] = set()
+    group_members: dict[int, set[int]] = {}
+    children_of: dict[int, list[int]] = {}
+    for proc in psutil.process_iter(["environ", "ppid"], ad_value=None):
+        procs[proc.pid] = proc
+        children_of.setdefault(proc.info["ppid"], []).append(proc.pid)
+        if _tag_of(proc) in tags:
+            tagged.add(proc.pid)
+        pgid = _pgid(proc.pid)
+        if pgid in group_tag:
+            group_members.setdefault(pgid, set()).add(proc.pid)
+    known_pids = {proc.pid for proc in known if not _is_gone(proc)} & set(procs)
+    found = tagged | known_pids
+    for pgid, members in group_members.items():
+        tag = group_tag[pgid]
+        if tag is None or members & known_pids or any(_tag_of(procs[p]) == tag for p in members):
+            found |= members
+    stack = list(found)
+    while stack:
+        for child_pid in children_of.get(stack.pop(), []):
+            if child_pid not in found:
+                found.add(child_pid)
+                stack.append(child_pid)
+    found.discard(os.getpid())
+    return {pid: procs[pid] for pid in found if not _is_gone(procs[pid])}
+
+
+def _send(procs: Iterable[psutil.Process], sig: int) -> None:
+    for proc in procs:
+        try:
+            proc.send_signal(sig)  # psutil refuses if the pid was reused meanwhile
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+
+
+def _wait_gone(procs: Iterable[psutil.Process], timeout: float) -> bool:
+    procs = list(procs)
+    deadline = time.monotonic() + timeout
+    while not all(_is_gone(p) for p in procs):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def kill_trees(trees: list[ProcessTree], grace_s: float) -> Sweep:
+    """SIGTERM every process of the trees, SIGKILL whatever is left after grace_s (or
+    appeared since), and look again until none is left or KILL_ROUNDS are spent."""
+    procs = find_tree_processes(trees)
+    if not procs:
+        return Sweep(0, [])
+    seen = dict(procs)
+    _send(procs.values(), signal.SIGTERM)
+    _wait_gone(procs.values(), grace_s)
+    for _ in range(KILL_ROUNDS):
+        # A worker that ignored SIGTERM and dropped the tag was tied to the tree only by
+        # the engine that has exited since: remember everything seen.
+        procs = find_tree_processes(trees, known=seen.values())
+        if not procs:
+            break
+        seen.update(procs)
+        _send(procs.values(), signal.SIGKILL)
+        _wait_gone(procs.values(), KILL_WAIT_S)
+    else:
+        procs = find_tree_processes(trees, known=seen.values())
+    return Sweep(len(seen), sorted(procs))
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}es"
+
+
+# -- children -----------------------------------------------------------------------
 @dataclasses.dataclass
 class Child:
     """One supervised process."""
@@ -98,6 +242,7 @@ class Child:
     env: dict[str, str]
     log_path: Path
     health_url: str
+    tag: str | None = None  # TAG_ENV's value, the same for every restart of this child
     process: subprocess.Popen | None = None
     restarts: int = 0
     started_at: float = 0.0
@@ -110,7 +255,7 @@ class Child:
         log.flush()
         self.process = subprocess.Popen(
             self.command,
-            env={**os.environ, **self.env},
+            env={**os.environ, **self.env, **({TAG_ENV: self.tag} if self.tag else {})},
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -124,13 +269,9 @@ class Child:
     def exit_code(self) -> int | None:
         return None if self.process is None else self.process.poll()
 
-    def signal_group(self, sig: int) -> None:
-        if self.process is None:
-            return
-        try:
-            os.killpg(self.process.pid, sig)
-        except ProcessLookupError:
-            pass
+    def tree(self) -> ProcessTree:
+        """Every process this child started, in this and in earlier incarnations."""
+        return ProcessTree(self.tag, self.process.pid if self.process else None)
 
     def log_tail(self, lines: int = 15) -> str:
         try:
@@ -151,17 +292,23 @@ class Launcher:
         self.log_dir = dep.work_dir / "logs"
         self.children: list[Child] = []
         self._stopping = False
+        # Tells this launcher's processes apart from those of another launcher of the
+        # same deployment (say a test and a developer's `epd-serve up`).
+        self._token = secrets.token_hex(6)
 
     @property
     def state_path(self) -> Path:
         return self.dep.work_dir / "state.json"
+
+    def _tag(self, child_name: str) -> str:
+        return f"{self.dep.config.name}/{child_name}/{self._token}"
 
     def _build_children(self) -> list[Child]:
         children = []
         for launch in self.dep.launches:
             children.append(self._instance_child(launch))
         proxy_json = self.dep.work_dir / "proxy.json"
-        proxy_json.write_text(json.dumps(proxy_config(self.dep), indent=2))
+        proxy_json.write_text(proxy_config(self.dep).model_dump_json(indent=2))
         children.append(
             Child(
                 name="proxy",
@@ -169,6 +316,7 @@ class Launcher:
                 env={},
                 log_path=self.log_dir / "proxy.log",
                 health_url=f"{self.dep.proxy_url}/health",
+                tag=self._tag("proxy"),
             )
         )
         return children
@@ -180,6 +328,7 @@ class Launcher:
             env=self.platform.environment(launch),
             log_path=self.log_dir / f"{launch.name}.log",
             health_url=f"{launch.url}/health",
+            tag=self._tag(launch.name),
         )
 
     # -- bring up -----------------------------------------------------------
@@ -199,6 +348,7 @@ class Launcher:
             "config": self.dep.config.name,
             "launcher_pid": os.getpid(),
             "children": {c.name: c.process.pid for c in self.children if c.process},
+            "process_tags": {c.name: c.tag for c in self.children if c.tag},
             "proxy_url": self.dep.proxy_url,
         }
         self.state_path.write_text(json.dumps(state, indent=2))
@@ -248,13 +398,16 @@ class Launcher:
             code = child.exit_code()
             if code is None or self._stopping or child.gave_up:
                 continue
+            # Before anything else: the old engine processes still hold the memory and
+            # devices the replacement needs.
+            leftovers = self._kill_leftovers(child)
             if child.restarts >= self.dep.config.max_restarts:
                 child.gave_up = True
-                events.append(f"{child.name} exited with code {code}; restarted "
+                events.append(f"{child.name} exited with code {code}; {leftovers}restarted "
                               f"{child.restarts} times already, giving up (log: {child.log_path})")
                 continue
             child.restarts += 1
-            events.append(f"{child.name} exited with code {code}; restarting "
+            events.append(f"{child.name} exited with code {code}; {leftovers}restarting "
                           f"({child.restarts}/{self.dep.config.max_restarts})")
             child.start()
         if events:
@@ -263,6 +416,16 @@ class Launcher:
                 self.on_event(event)
         return events
 
+    @staticmethod
+    def _kill_leftovers(child: Child) -> str:
+        """Kill what a dead child left running; returns a note for its event line, empty
+        when nothing was left."""
+        sweep = kill_trees([child.tree()], LEFTOVER_GRACE_S)
+        note = f"killed {_plural(sweep.killed, 'leftover process')}; " if sweep.killed else ""
+        if sweep.survivors:
+            note += f"pids {sweep.survivors} survived SIGKILL; "
+        return note
+
     def run_forever(self, interval: float = 2.0) -> None:
         while not self._stopping:
             self.supervise_once()
@@ -270,35 +433,29 @@ class Launcher:
 
     # -- bring down ---------------------------------------------------------
     def stop(self) -> None:
+        """Kill every child's whole tree, leftovers of earlier incarnations included."""
         self._stopping = True
+        kill_trees([child.tree() for child in self.children], STOP_GRACE_S)
         for child in self.children:
-            child.signal_group(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_S
-        for child in self.children:
-            if child.process is None:
-                continue
-            try:
-                child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-            # The group may hold engine processes even after the API server is gone.
-            child.signal_group(signal.SIGKILL)
-            child.process.wait()
+            if child.process is not None:
+                try:
+                    child.process.wait(timeout=KILL_WAIT_S)  # reap the leader
+                except subprocess.TimeoutExpired:
+                    pass
         self.state_path.unlink(missing_ok=True)
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def trees_from_state(state: dict) -> list[ProcessTree]:
+    tags = state.get("process_tags", {})
+    trees = [ProcessTree(tags.get(name), pid) for name, pid in state.get("children", {}).items()]
+    # A child may be missing from "children" (never started) yet have left tagged processes.
+    trees += [ProcessTree(tag, None) for name, tag in tags.items()
+              if name not in state.get("children", {})]
+    return trees
 
 
 def stop_from_state(state_path: Path, grace_s: float = STOP_GRACE_S) -> list[str]:
-    """`epd-serve down`: stop every process group a launcher recorded."""
+    """`epd-serve down`: kill every process tree a launcher recorded."""
     if not state_path.is_file():
         return []
     state = json.loads(state_path.read_text())
@@ -308,20 +465,6 @@ def stop_from_state(state_path: Path, grace_s: float = STOP_GRACE_S) -> list[str
             os.kill(launcher_pid, signal.SIGTERM)  # stops supervision (and restarts) first
         except ProcessLookupError:
             pass
-    groups = dict(state.get("children", {}))
-    for pgid in groups.values():
-        try:
-            os.killpg(pgid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(_group_alive(p) for p in groups.values()):
-        time.sleep(0.2)
-    for pgid in groups.values():
-        if _group_alive(pgid):
-            try:
-                os.killpg(pgid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    kill_trees(trees_from_state(state), grace_s)
     state_path.unlink(missing_ok=True)
-    return list(groups)
+    return list(state.get("children", {}))

@@ -7,7 +7,6 @@ with health waiting and a trap that stops every process group on exit or Ctrl-C.
 
 from __future__ import annotations
 
-import json
 import shlex
 import sys
 
@@ -58,7 +57,7 @@ def emit_shell(dep: ResolvedDeployment, platform: Platform) -> str:
             "PIDS+=($!)",
             "",
         ]
-    proxy_json = json.dumps(proxy_config(dep), indent=2)
+    proxy_json = proxy_config(dep).model_dump_json(indent=2)
     lines += [
         "cat >\"$WORK/proxy.json\" <<'EOF'",
         proxy_json,

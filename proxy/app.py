@@ -16,7 +16,8 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from epd_serve.proxy.pipeline import Pipeline, ProxyError
+from epd_serve.proxy.pipeline import Pipeline
+from epd_serve.proxy.upstream import ProxyError
 from epd_serve.proxy.state import InstanceTable, ProxyConfig
 
 logger = logging.getLogger("epd_serve.proxy")
@@ -41,8 +42,8 @@ async def _check_health(inst, client: httpx.AsyncClient, unhealthy_after: int) -
     healthy = ok or (inst.healthy and not refused and inst.health_failures < unhealthy_after)
     if healthy != inst.healthy:
         logger.info("instance %s is now %s", inst.name, "healthy" if healthy else "DOWN")
-        if not healthy:
-            inst.kv_engine_id = None  # a restarted engine gets a new id
+        if healthy:
+            inst.incarnation += 1  # it may be a restarted engine: forget what we knew
     inst.healthy = healthy
 
 
@@ -79,7 +80,7 @@ def create_app(config: ProxyConfig) -> FastAPI:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=512,
                               keepalive_expiry=2.0)
         async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-            app.state.pipeline = Pipeline(table, client)
+            app.state.pipeline = Pipeline(table, client, config)
             poller = asyncio.create_task(_poll_health(table, client, config.health_interval_s,
                                                       config.unhealthy_after))
             try:
@@ -128,6 +129,12 @@ def create_app(config: ProxyConfig) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await generate(request, "/v1/completions", "prompt")
+
+    @app.post("/v1/metaserver")
+    async def metaserver(request: Request):
+        """Decode instances of the ascend-layerwise hand-off report their blocks here."""
+        pipeline: Pipeline = request.app.state.pipeline
+        return await pipeline.handoff.metaserver(await _read_body(request))
 
     @app.get("/v1/models")
     async def models():

@@ -19,7 +19,9 @@ class InstanceEntry(BaseModel):
     name: str
     roles: str = Field(description="Stages it runs, in pipeline order: E, P, D, EP, PD, EPD.")
     url: str
-    kv_bootstrap_url: str | None = Field(None, description="Mooncake bootstrap of a KV producer.")
+    kv_endpoint: str | None = Field(None, description="Where the KV hand-off reaches this "
+                                    "instance's connector: a bootstrap URL (mooncake) or a "
+                                    "side channel host:port (epd).")
 
 
 class ProxyConfig(BaseModel):
@@ -28,6 +30,8 @@ class ProxyConfig(BaseModel):
     model: str = Field(description="Served model name, answered on /v1/models.")
     host: str = "127.0.0.1"
     port: int = 8000
+    kv_protocol: str = Field("epd", description="KV hand-off between prefill and decode: "
+                             "epd | mooncake | ascend-layerwise (proxy/handoff/).")
     instances: list[InstanceEntry]
     request_timeout_s: float = 600.0
     health_interval_s: float = 2.0
@@ -50,7 +54,7 @@ class InstanceState:
     served: int = 0
     failures: int = 0
     last_error: str | None = None
-    kv_engine_id: str | None = None  # learned from the bootstrap server on first use
+    incarnation: int = 0  # +1 each time it comes back after being down (restarted)
 
     @property
     def name(self) -> str:

@@ -8,11 +8,8 @@ from __future__ import annotations
 
 import importlib
 
-from epd_serve.hal import Connector, InstanceLaunch, Platform
-
-# Bootstrap/KV ports of vllm-ascend's Mooncake connectors are offset from the
-# instance's HTTP port so co-located instances never collide.
-KV_PORT_OFFSET = 20000
+from epd_serve.hal import Platform
+from epd_serve.kv_protocols import Connector
 
 
 class AscendPlatform(Platform):
@@ -22,26 +19,18 @@ class AscendPlatform(Platform):
     memory_flag = "--gpu-memory-utilization"  # vllm-ascend keeps vLLM's flag name
     attention_backend = None  # vllm-ascend registers its own NPU attention
     # vllm-ascend registers MooncakeLayerwiseConnector itself (no module path): the
-    # prefill side pushes each layer's KV into decode's registered NPU memory.
-    kv_connector = Connector("MooncakeLayerwiseConnector", None, {})
+    # prefill side pushes each layer's KV into decode's registered NPU memory. Ours runs
+    # on the transfer engine's Ascend transport.
+    kv_connectors = {
+        "ascend-layerwise": Connector("MooncakeLayerwiseConnector"),
+        "epd": Connector("EPDKVConnector", "epd_serve.connectors.epd_kv", {"protocol": "ascend"}),
+    }
+    default_kv_protocol = "ascend-layerwise"
     # vllm-ascend has no EC connector of its own and uses vLLM's file-based one.
     ec_connector = Connector("ECExampleConnector")
     usable_memory = 0.9
 
-    def kv_transfer_config(self, launch: InstanceLaunch):
-        cfg = super().kv_transfer_config(launch)
-        if cfg is None:
-            return None
-        tp = launch.instance.tensor_parallel
-        cfg["kv_buffer_device"] = "npu"
-        cfg["kv_port"] = str(launch.port + KV_PORT_OFFSET)
-        cfg["kv_connector_extra_config"] = {
-            "prefill": {"dp_size": 1, "tp_size": tp},
-            "decode": {"dp_size": 1, "tp_size": tp},
-        }
-        return cfg
-
-    def platform_env(self, launch: InstanceLaunch) -> dict[str, str]:
+    def platform_env(self, launch) -> dict[str, str]:
         return {
             "PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True",
             "HCCL_BUFFSIZE": "256",

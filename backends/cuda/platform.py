@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import importlib
 
-from epd_serve.hal import Connector, InstanceLaunch, Platform
+from epd_serve.hal import InstanceLaunch, Platform
+from epd_serve.kv_protocols import Connector
 
 
 class CudaPlatform(Platform):
@@ -17,8 +18,13 @@ class CudaPlatform(Platform):
     device_visibility_env = "CUDA_VISIBLE_DEVICES"
     memory_flag = "--gpu-memory-utilization"
     attention_backend = "FLASHINFER"
-    # vLLM's in-tree Mooncake connector over RDMA between GPUs' registered KV memory.
-    kv_connector = Connector("MooncakeConnector", None, {"mooncake_protocol": "rdma"})
+    # Over RDMA between the GPUs' registered KV memory: ours (layer groups pushed during
+    # prefill) or vLLM's in-tree Mooncake connector (whole KV pulled after prefill).
+    kv_connectors = {
+        "epd": Connector("EPDKVConnector", "epd_serve.connectors.epd_kv", {"protocol": "rdma"}),
+        "mooncake": Connector("MooncakeConnector", None, {"mooncake_protocol": "rdma"}),
+    }
+    default_kv_protocol = "epd"
     ec_connector = Connector("ECExampleConnector")
     usable_memory = 0.9
 

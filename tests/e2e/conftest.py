@@ -59,7 +59,7 @@ class Deployments:
         base = free_port_block(40, start=23000)
         cfg = cfg.model_copy(update={
             "model": str(self.model), "tiny_model": None,
-            "proxy_port": base, "base_port": base + 10, "kv_bootstrap_base_port": base + 30,
+            "proxy_port": base, "base_port": base + 10, "kv_base_port": base + 30,
             "work_dir": str(self.work_root / cfg.name),
         })
         dep = config.resolve(cfg, REPO)

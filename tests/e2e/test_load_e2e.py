@@ -55,7 +55,7 @@ def test_compare_brings_a_deployment_up_runs_it_and_tears_it_down(deployments, t
     base = free_port_block(40, start=31000)
     cfg = yaml.safe_load((REPO / "configs/cpu/tp1.yaml").read_text())
     cfg.update(model=str(tiny_model), tiny_model=None, proxy_port=base, base_port=base + 10,
-               kv_bootstrap_base_port=base + 30, work_dir=str(tmp_path / "work"))
+               kv_base_port=base + 30, work_dir=str(tmp_path / "work"))
     path = tmp_path / "configs" / "cpu" / "tp1.yaml"
     path.parent.mkdir(parents=True)
     path.write_text(yaml.safe_dump(cfg))

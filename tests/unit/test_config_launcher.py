@@ -53,7 +53,7 @@ def make_dep(tmp_path: Path, notation: str = "E-P-D", **extra):
     base = free_port_block(40)
     fields = dict(name="fake", deployment=notation, model=str(fake_model(tmp_path)),
                   served_model_name="fake", proxy_port=base, base_port=base + 10,
-                  kv_bootstrap_base_port=base + 30, work_dir=str(tmp_path / "work"),
+                  kv_base_port=base + 30, work_dir=str(tmp_path / "work"),
                   health_timeout_s=60, **extra)
     return config.resolve(config.Deployment(**fields), tmp_path)
 

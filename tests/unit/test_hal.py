@@ -50,17 +50,56 @@ def test_cuda_e_p_d_commands():
 
     p_cmd, p_env, p = inst["p0"]
     assert p_env["CUDA_VISIBLE_DEVICES"] == "5"
-    assert p_env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] == "8900" and p.kv_bootstrap_port == 8900
     assert json.loads(flag(p_cmd, "--ec-transfer-config"))["ec_role"] == "ec_consumer"
+    # Our connector by default, over RDMA, its side channel on the instance's KV port.
+    assert json.loads(flag(p_cmd, "--kv-transfer-config")) == {
+        "kv_connector": "EPDKVConnector", "kv_role": "kv_producer",
+        "kv_connector_module_path": "epd_serve.connectors.epd_kv", "kv_port": 8900,
+        "kv_connector_extra_config": {"protocol": "rdma", "host": "127.0.0.1"}}
+    assert flag(p_cmd, "--port") == "8101"
+
+    d_cmd, d_env, d = inst["d0"]
+    assert d_env["CUDA_VISIBLE_DEVICES"] == "6"
+    kv = json.loads(flag(d_cmd, "--kv-transfer-config"))
+    assert kv["kv_role"] == "kv_consumer" and kv["kv_load_failure_policy"] == "recompute"
+    assert kv["kv_port"] == d.kv_port == 8901
+    assert "--ec-transfer-config" not in d_cmd
+
+
+def test_vllms_mooncake_connector_stays_selectable():
+    inst = by_name(resolved("cuda", "E-P-D", kv_connector="mooncake"))
+    p_cmd, p_env, p = inst["p0"]
+    assert p_env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] == "8900" and p.kv_port == 8900
     assert json.loads(flag(p_cmd, "--kv-transfer-config")) == {
         "kv_connector": "MooncakeConnector", "kv_role": "kv_producer",
         "kv_connector_extra_config": {"mooncake_protocol": "rdma"}}
-    assert flag(p_cmd, "--port") == "8101"
+    assert "VLLM_MOONCAKE_BOOTSTRAP_PORT" not in inst["d0"][1]
+    cpu = by_name(resolved("cpu", "P-D", kv_connector="mooncake"))
+    kv = json.loads(flag(cpu["p0"][0], "--kv-transfer-config"))
+    assert kv["kv_connector_module_path"] == "epd_serve.connectors.mooncake_cpu"
 
-    d_cmd, d_env, _ = inst["d0"]
-    assert d_env["CUDA_VISIBLE_DEVICES"] == "6"
-    assert json.loads(flag(d_cmd, "--kv-transfer-config"))["kv_role"] == "kv_consumer"
-    assert "--ec-transfer-config" not in d_cmd and "VLLM_MOONCAKE_BOOTSTRAP_PORT" not in d_env
+
+def test_kv_connector_settings_reach_the_engines_and_typos_are_refused():
+    inst = by_name(resolved("cpu", "P-D", kv_connector_config={"mode": "layer"}))
+    kv = json.loads(flag(inst["p0"][0], "--kv-transfer-config"))
+    assert kv["kv_connector_extra_config"] == {"protocol": "tcp", "mode": "layer",
+                                               "host": "127.0.0.1"}
+    with pytest.raises(config.ConfigError, match="unknown epd KV connector setting.*'mdoe'"):
+        resolved("cpu", "P-D", kv_connector_config={"mdoe": "layer"})
+    with pytest.raises(config.ConfigError, match="unknown KV transfer mode 'chunk'"):
+        resolved("cpu", "P-D", kv_connector_config={"mode": "chunk"})
+    with pytest.raises(config.ConfigError, match="does not run on cpu; choose one of epd, mooncake"):
+        resolved("cpu", "P-D", kv_connector="ascend-layerwise")
+    with pytest.raises(config.ConfigError, match="unknown KV connector 'nixl'"):
+        resolved("cuda", "P-D", kv_connector="nixl")
+
+
+def test_kv_ports_go_to_instances_that_send_or_receive_kv():
+    dep = resolved("cuda", "E-P-D-D", kv_base_port=9000)
+    assert [l.kv_port for l in dep.launches] == [None, 9000, 9001, 9002]
+    assert {p for p, user in dep.ports().items() if user.startswith("KV port")} == {9000, 9001, 9002}
+    (monolithic,) = resolved("cuda", "TP2", kv_base_port=9000).launches
+    assert monolithic.kv_port is None
 
 
 def test_cuda_colocated_instances_share_a_device_with_split_memory():
@@ -87,8 +126,13 @@ def test_ascend_uses_npu_visibility_and_layerwise_mooncake():
     kv = json.loads(flag(p_cmd, "--kv-transfer-config"))
     assert kv["kv_connector"] == "MooncakeLayerwiseConnector"
     assert kv["kv_role"] == "kv_producer" and kv["kv_buffer_device"] == "npu"
-    assert kv["kv_port"] == "28101"
+    assert kv["kv_port"] == "8900"
     assert kv["kv_connector_extra_config"]["prefill"] == {"dp_size": 1, "tp_size": 1}
+    assert json.loads(flag(inst["d0"][0], "--kv-transfer-config"))["kv_port"] == "8901"
+    ours = by_name(resolved("ascend", "P-D", kv_connector="epd"))
+    kv = json.loads(flag(ours["p0"][0], "--kv-transfer-config"))
+    assert kv["kv_connector"] == "EPDKVConnector"
+    assert kv["kv_connector_extra_config"]["protocol"] == "ascend"
     assert flag(inst["e0"][0], "--gpu-memory-utilization") == "0.18"
     assert inst["d0"][1]["ASCEND_RT_VISIBLE_DEVICES"] == "1"
 
@@ -104,8 +148,8 @@ def test_cpu_commands_use_our_connectors_and_kv_cache_env():
     assert ec["ec_connector_module_path"] == "epd_serve.connectors.ec_example"
     p_cmd, p_env, _ = inst["p0"]
     kv = json.loads(flag(p_cmd, "--kv-transfer-config"))
-    assert kv["kv_connector_module_path"] == "epd_serve.connectors.mooncake_cpu"
-    assert kv["kv_connector_extra_config"] == {"mooncake_protocol": "tcp"}
+    assert kv["kv_connector_module_path"] == "epd_serve.connectors.epd_kv"
+    assert kv["kv_connector_extra_config"] == {"protocol": "tcp", "host": "127.0.0.1"}
     assert p_env["MC_FORCE_TCP"] == "1" and p_env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
     assert p_env["OMP_WAIT_POLICY"] == "PASSIVE" and p_env["KMP_BLOCKTIME"] == "0"
     assert "--enforce-eager" in p_cmd

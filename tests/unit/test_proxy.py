@@ -15,12 +15,16 @@ from epd_serve.fake_server import ThreadedServer, create_fake_app
 from epd_serve.payloads import chat_body
 from epd_serve.proxy import ProxyConfig, create_app
 
+from ..ports import free_port_block
+
 IMAGE = "data:image/png;base64,iVBORw0KGgo="
 
 
 @contextlib.contextmanager
-def deployment(roles: list[str], dead: set[str] = frozenset(), failing: dict | None = None):
-    """Fake instances for `roles` (e.g. ["E", "P", "D"]) behind a proxy."""
+def deployment(roles: list[str], dead: set[str] = frozenset(), failing: dict | None = None,
+               protocol: str = "epd"):
+    """Fake instances for `roles` (e.g. ["E", "P", "D"]) behind a proxy that hands KV off
+    with `protocol`."""
     failing = failing or {}
     with contextlib.ExitStack() as stack:
         entries, apps = [], {}
@@ -34,9 +38,12 @@ def deployment(roles: list[str], dead: set[str] = frozenset(), failing: dict | N
                 url = stack.enter_context(ThreadedServer(app)).url
             entry = {"name": name, "roles": role, "url": url}
             if "P" in role and "D" not in role:
-                entry["kv_bootstrap_url"] = url
+                # mooncake: the bootstrap server (the fake answers /query itself);
+                # epd: the side channel, which only decode instances talk to.
+                entry["kv_endpoint"] = url if protocol == "mooncake" else f"127.0.0.1:{30100 + i}"
             entries.append(entry)
-        config = ProxyConfig(model="fake", instances=entries, health_interval_s=0.05)
+        config = ProxyConfig(model="fake", instances=entries, health_interval_s=0.05,
+                             kv_protocol=protocol)
         client = stack.enter_context(TestClient(create_app(config)))
         deadline = time.monotonic() + 5
         alive = [e["name"] for e in entries if e["name"] not in dead]
@@ -53,8 +60,9 @@ def seen(app) -> list[dict]:
     return app.state.requests
 
 
-def test_image_request_goes_e_then_p_then_d_with_handoff_params():
-    with deployment(["E", "P", "D"]) as (client, apps):
+@pytest.mark.parametrize("protocol", ["epd", "mooncake"])
+def test_image_request_goes_e_then_p_then_d_with_handoff_params(protocol):
+    with deployment(["E", "P", "D"], protocol=protocol) as (client, apps):
         resp = client.post("/v1/chat/completions",
                            json=chat_body("fake", "what is this", [IMAGE], max_tokens=5))
         assert resp.status_code == 200, resp.text
@@ -65,17 +73,127 @@ def test_image_request_goes_e_then_p_then_d_with_handoff_params():
         assert enc["body"]["max_tokens"] == 1 and enc["body"]["stream"] is False
         assert pre["body"]["max_tokens"] == 1
         assert pre["body"]["ec_transfer_params"] == {"served_by": "e0"}
+        assert "ec_transfer_params" not in dec["body"]  # decode needs the KV, not the feature
         kv_p = pre["body"]["kv_transfer_params"]
         assert kv_p["do_remote_decode"] is True and kv_p["do_remote_prefill"] is False
         kv_d = dec["body"]["kv_transfer_params"]
         assert kv_d["do_remote_prefill"] is True
         assert kv_d["transfer_id"] == kv_p["transfer_id"]
-        assert kv_d["remote_engine_id"] == "engine-p1"
-        assert kv_d["remote_bootstrap_addr"].startswith("http://127.0.0.1:")
+        if protocol == "mooncake":  # decode pulls from prefill's bootstrap server
+            assert kv_d["remote_engine_id"] == "engine-p1"
+            assert kv_d["remote_bootstrap_addr"].startswith("http://127.0.0.1:")
+        else:  # decode reserves blocks with prefill's side channel
+            assert (kv_d["remote_host"], kv_d["remote_port"]) == ("127.0.0.1", 30101)
         assert dec["body"]["max_tokens"] == 5
         # One request id follows the request through every stage.
         assert enc["request_id"] == pre["request_id"] == dec["request_id"]
         assert resp.json()["usage"]["completion_tokens"] == 5
+
+
+def test_epd_handoff_reports_the_transfer_in_the_stages_header():
+    with deployment(["P", "D"]) as (client, _):
+        resp = client.post("/v1/chat/completions", json=chat_body("fake", "x", max_tokens=2))
+        assert resp.status_code == 200
+        assert resp.headers["x-epd-stages"].endswith(
+            ";KV=done:bytes=65536B:transfer=0.5ms:exposed=0.0ms:groups=2")
+
+
+def test_epd_handoff_passes_the_transfer_mode_to_prefill_only():
+    with deployment(["P", "D"]) as (client, apps):
+        body = chat_body("fake", "x", max_tokens=2)
+        body["kv_transfer_params"] = {"epd_mode": "layer", "do_remote_prefill": True}
+        assert client.post("/v1/chat/completions", json=body).status_code == 200
+        kv_p = seen(apps["p0"])[0]["body"]["kv_transfer_params"]
+        assert kv_p["epd_mode"] == "layer" and kv_p["do_remote_decode"] is True
+        assert "epd_mode" not in seen(apps["d1"])[0]["body"]["kv_transfer_params"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_epd_handoff_retries_a_failed_prefill_with_a_fresh_decode_request(stream):
+    with deployment(["P", "P", "D"], failing={"p0": 500}) as (client, apps):
+        resp = client.post("/v1/chat/completions",
+                           json=chat_body("fake", "x", max_tokens=3, stream=stream))
+        assert resp.status_code == 200
+        assert "P=p1:" in resp.headers["x-epd-stages"]
+        (failed,), (served,) = seen(apps["p0"]), seen(apps["p1"])
+        decodes = seen(apps["d2"])
+        # Decode got one request per attempt, each tied to its prefill instance.
+        assert [d["body"]["kv_transfer_params"]["remote_port"] for d in decodes] == [30100, 30101]
+        assert decodes[1]["body"]["kv_transfer_params"]["transfer_id"] == \
+            served["body"]["kv_transfer_params"]["transfer_id"] != \
+            failed["body"]["kv_transfer_params"]["transfer_id"]
+
+
+def test_epd_handoff_returns_a_prefill_client_error_as_is():
+    with deployment(["P", "D"], failing={"p0": 400}) as (client, _):
+        resp = client.post("/v1/chat/completions", json=chat_body("fake", "x"))
+        assert resp.status_code == 400 and "p0" in resp.json()["error"]["message"]
+
+
+@contextlib.contextmanager
+def ascend_deployment(roles: list[str], failing: dict | None = None):
+    """Fake instances speaking vllm-ascend's layerwise protocol, behind a real proxy
+    server: decode instances call its /v1/metaserver back."""
+    failing = failing or {}
+    with contextlib.ExitStack() as stack:
+        entries, apps = [], {}
+        for i, role in enumerate(roles):
+            name = f"{role.lower()}{i}"
+            apps[name] = create_fake_app(name, fail_status=failing.get(name))
+            url = stack.enter_context(ThreadedServer(apps[name])).url
+            entries.append({"name": name, "roles": role, "url": url})
+        port = free_port_block(1, start=31000)
+        config = ProxyConfig(model="fake", instances=entries, health_interval_s=0.05,
+                             kv_protocol="ascend-layerwise", port=port)
+        stack.enter_context(ThreadedServer(create_app(config), port=port))
+        client = stack.enter_context(httpx.Client(base_url=f"http://127.0.0.1:{port}",
+                                                  timeout=30))
+        deadline = time.monotonic() + 5
+        while client.get("/health").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        yield client, apps
+
+
+@pytest.mark.parametrize("path, stream", [("/v1/chat/completions", False),
+                                          ("/v1/chat/completions", True),
+                                          ("/v1/completions", False)])
+def test_ascend_layerwise_decode_first_then_prefill_with_decodes_blocks(path, stream):
+    with ascend_deployment(["P", "D"]) as (client, apps):
+        if path == "/v1/completions":
+            body = {"model": "fake", "prompt": "hi", "max_tokens": 4, "stream": stream}
+        else:
+            body = chat_body("fake", "x", max_tokens=4, stream=stream)
+        resp = client.post(path, json=body)
+        assert resp.status_code == 200, resp.text
+        (dec,), (pre,) = seen(apps["d1"]), seen(apps["p0"])
+        kv_d = dec["body"]["kv_transfer_params"]
+        assert kv_d == {"do_remote_decode": False, "do_remote_prefill": True,
+                        "metaserver": f"{client.base_url}/v1/metaserver"}
+        assert dec["body"]["stream"] is stream and dec["body"]["max_tokens"] == 4
+        # Prefill ran with exactly what decode reported, under the same request id.
+        kv_p = pre["body"]["kv_transfer_params"]
+        assert kv_p["remote_block_ids"] == [[7, 8, 9]] and kv_p["remote_engine_id"] == "engine-d1"
+        assert kv_p["do_remote_decode"] is True and kv_p["remote_cached_tokens"] == 0
+        assert pre["request_id"] == dec["request_id"]
+        assert pre["body"]["max_tokens"] == 1 and pre["body"]["min_tokens"] == 1
+        assert pre["body"]["stream"] is False and "stream_options" not in pre["body"]
+        assert resp.headers["x-epd-stages"].startswith("P=p0:")
+        assert ";D=d1" in resp.headers["x-epd-stages"]
+
+
+def test_ascend_layerwise_prefill_failure_fails_the_request():
+    with ascend_deployment(["P", "D"], failing={"p0": 500}) as (client, apps):
+        resp = client.post("/v1/chat/completions", json=chat_body("fake", "x"))
+        assert resp.status_code == 502 and "p0" in resp.json()["error"]["message"]
+
+
+def test_metaserver_refuses_unknown_requests_and_other_protocols():
+    with ascend_deployment(["P", "D"]) as (client, _):
+        resp = client.post("/v1/metaserver", json={"request_id": "chatcmpl-nobody"})
+        assert resp.status_code == 404 and "nobody" in resp.json()["error"]["message"]
+    with deployment(["P", "D"]) as (client, _):
+        assert client.post("/v1/metaserver", json={"request_id": "x"}).status_code == 404
 
 
 def test_text_request_never_touches_the_encoder():
@@ -208,8 +326,8 @@ def test_unreachable_decode_instance_fails_over_for_plain_and_streamed_answers()
 def test_a_connection_closed_under_a_request_is_retried_once():
     import asyncio
 
-    from epd_serve.proxy.pipeline import Pipeline, Trip
     from epd_serve.proxy.state import InstanceEntry, InstanceTable
+    from epd_serve.proxy.upstream import Trip, Upstream
 
     calls = []
 
@@ -223,7 +341,8 @@ def test_a_connection_closed_under_a_request_is_retried_once():
         table = InstanceTable([InstanceEntry(name="p0", roles="P", url="http://p0")])
         table.instances[0].healthy = True
         async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-            return await Pipeline(table, client)._run_stage("P", "/v1/x", {}, Trip("r", False))
+            return await Upstream(table, client).post("P", "/v1/x", {}, Trip("r", False))
 
     inst, result = asyncio.run(run())
     assert result == {"ok": True} and len(calls) == 2 and inst.failures == 0
+    assert inst.in_flight == 0 and inst.served == 1

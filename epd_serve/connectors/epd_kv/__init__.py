@@ -1,0 +1,17 @@
+"""Our layer-grouped asynchronous KV connector (prefill pushes into decode's memory).
+
+Load it in vLLM with `"kv_connector": "EPDKVConnector",
+"kv_connector_module_path": "epd_serve.connectors.epd_kv"`. The facade is
+connector.py; scheduler.py and worker.py (sender.py / receiver.py) are its two sides,
+messages.py what they say, layout.py / grouping.py / transfer.py / channel.py the
+pieces they use. The facade (and with it vLLM) is imported on first access, so the
+control plane can read `settings` without vLLM installed.
+"""
+
+
+def __getattr__(name: str):
+    if name == "EPDKVConnector":
+        from epd_serve.connectors.epd_kv.connector import EPDKVConnector
+
+        return EPDKVConnector
+    raise AttributeError(name)

@@ -1,0 +1,126 @@
+"""`EPDKVConnector`: vLLM's view of our layer-grouped push connector.
+
+Loaded in every vLLM process through `kv_connector_module_path` (API server for its
+stats classes, engine core for the scheduler side, workers for the worker side). A
+thin facade: each call goes to `EPDKVScheduler` or `EPDKVWorker`; nothing here touches
+a device or the network at import time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from epd_serve.connectors.epd_kv import messages as msg
+from epd_serve.connectors.epd_kv.metadata import StepPlan, TransferReport
+from epd_serve.connectors.epd_kv.scheduler import EPDKVScheduler
+from epd_serve.connectors.epd_kv.settings import Settings
+from epd_serve.connectors.epd_kv.stats import EPDKVPromMetrics, EPDKVStats
+
+
+class EPDKVConnector(KVConnectorBase_V1):
+    _cache_hit_source = CacheHitSource.P2P
+
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        if transfer.kv_role not in ("kv_producer", "kv_consumer"):
+            raise ValueError(f"EPDKVConnector runs as kv_producer (prefill) or kv_consumer "
+                             f"(decode), not {transfer.kv_role!r}")
+        settings = Settings.from_extra_config(dict(transfer.kv_connector_extra_config))
+        self.scheduler: EPDKVScheduler | None = None
+        self.worker = None
+        if role == KVConnectorRole.SCHEDULER:
+            if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) != 1:
+                raise ValueError("EPDKVConnector supports models with one KV cache group "
+                                 "(full attention in every layer)")
+            self.scheduler = EPDKVScheduler(vllm_config, settings)
+        else:
+            from epd_serve.connectors.epd_kv.worker import EPDKVWorker
+
+            self.worker = EPDKVWorker(vllm_config, kv_cache_config, settings)
+
+    # -- classmethods vLLM calls in the API server ----------------------------------
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):
+        return EPDKVStats(data=data) if data is not None else EPDKVStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return EPDKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # The per-layer save hook must run between graph pieces.
+        return extra_config.get("mode", "group") != "whole"
+
+    # -- scheduler side --------------------------------------------------------------
+    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self.scheduler.kv_cache_manager = kv_cache_manager
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output):
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output):
+        self.scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request, block_ids):
+        return self.scheduler.request_finished(request, block_ids)
+
+    def has_pending_push_work(self) -> bool:
+        return self.scheduler.has_pending_push_work()
+
+    # -- worker side ------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches):
+        self.worker.register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        # Before the forward pass: decode reserves at once, prefill plans its writes.
+        if isinstance(connector_metadata, StepPlan):
+            self.worker.begin_step(connector_metadata)
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        pass  # prefill writes into our memory; nothing to pull
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        pass
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
+        self.worker.layer_saved(layer_name, kv_layer)
+
+    def wait_for_save(self) -> None:
+        # Writes continue in the background; blocks stay pinned until they end.
+        self.worker.forward_done()
+
+    def get_transfer_results(self, finished_req_ids):
+        sending, recving, failed = self.worker.transfer_results(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
+                                          failed_recving=failed)
+
+    def get_finished(self, finished_req_ids):
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def build_connector_worker_meta(self):
+        return self.worker.take_reports()
+
+    def get_kv_connector_stats(self):
+        return self.worker.take_stats() if self.worker is not None else None
+
+    def shutdown(self):
+        if self.worker is not None:
+            self.worker.shutdown()

@@ -1,0 +1,87 @@
+"""Which layers travel together: the transfer modes and the group-size choice.
+
+Pure Python, no torch or vLLM: imported by the prefill worker's sender and by the unit
+tests. A prefill step computes layer after layer; the sender ships the KV of a group
+of adjacent layers as soon as the group's last layer is written, so the transfer runs
+while later layers compute (paper 004, section 3.3):
+- `whole`: one group of every layer, sent after the forward pass (what vLLM does);
+- `layer`: every layer on its own;
+- `group`: groups of `g` layers, `g` chosen from a cost model of the link and of the
+  compute (below), the last layer on its own, since after it nothing is left to hide
+  a bigger group behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+MODES = ("whole", "layer", "group")
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkModel:
+    """Cost of one batch write on the transfer engine: a fixed overhead plus bytes at
+    a bandwidth; measured at start-up (`Link.calibrate`)."""
+
+    overhead_s: float
+    bytes_per_s: float
+
+    def transfer_s(self, nbytes: int) -> float:
+        return self.overhead_s + nbytes / self.bytes_per_s
+
+
+class ComputeModel:
+    """Seconds one layer takes per token in the step, learned from the gaps between
+    consecutive per-layer save hooks (an exponentially weighted mean)."""
+
+    def __init__(self, smoothing: float = 0.3):
+        self.smoothing = smoothing
+        self.layer_s_per_token: float | None = None
+
+    def observe(self, layer_gap_s: float, num_tokens: int) -> None:
+        if num_tokens <= 0 or layer_gap_s <= 0:
+            return
+        sample = layer_gap_s / num_tokens
+        if self.layer_s_per_token is None:
+            self.layer_s_per_token = sample
+        else:
+            self.layer_s_per_token += self.smoothing * (sample - self.layer_s_per_token)
+
+    def layer_s(self, num_tokens: int) -> float | None:
+        if self.layer_s_per_token is None:
+            return None
+        return self.layer_s_per_token * num_tokens
+
+
+def choose_group_size(num_layers: int, layer_bytes: int, link: LinkModel,
+                      layer_compute_s: float | None, max_overhead_share: float = 0.1) -> int:
+    """Fewest layers per group such that (1) the per-batch overhead is at most
+    `max_overhead_share` of the batch's time on the link, and (2) a group's transfer
+    takes no longer than computing the group's layers, so transfers never queue up
+    behind the compute. Bounded to [1, num_layers - 1] (the last layer goes alone)."""
+    if num_layers <= 2 or layer_bytes <= 0:
+        return 1
+    layer_wire_s = layer_bytes / link.bytes_per_s
+    # (1) overhead / (overhead + g * wire) <= share
+    by_overhead = link.overhead_s * (1 - max_overhead_share) / (max_overhead_share * layer_wire_s)
+    size = by_overhead
+    # (2) overhead + g * wire <= g * compute, possible only when compute outlasts the wire
+    if layer_compute_s is not None and layer_compute_s > layer_wire_s:
+        size = max(size, link.overhead_s / (layer_compute_s - layer_wire_s))
+    return max(1, min(num_layers - 1, math.ceil(size - 1e-9)))
+
+
+def plan_groups(num_layers: int, mode: str, group_size: int = 1) -> list[tuple[int, int]]:
+    """Layer groups as (first, last) inclusive, in forward order."""
+    if mode not in MODES:
+        raise ValueError(f"unknown KV transfer mode {mode!r}; choose one of {', '.join(MODES)}")
+    if num_layers <= 0:
+        return []
+    if mode == "whole":
+        return [(0, num_layers - 1)]
+    if mode == "layer" or group_size <= 1 or num_layers == 1:
+        return [(i, i) for i in range(num_layers)]
+    body = num_layers - 1
+    groups = [(start, min(start + group_size, body) - 1) for start in range(0, body, group_size)]
+    return groups + [(num_layers - 1, num_layers - 1)]

@@ -1,0 +1,158 @@
+"""What the epd KV connector's parts say to each other; plain data, no torch or vLLM.
+
+- what the scheduler side tells its workers about one request in one step
+  (`SendChunk`, `RecvPlan`, `FinishedSend`; carried by metadata.py's `StepPlan`);
+- wire messages between a decode worker and a prefill worker over the side channel
+  (msgspec structs, tagged, with a protocol version): decode reserves, prefill writes
+  the KV into decode's memory and reports each landed group, then `Done` or `Failed`.
+
+    decode                                   prefill
+    Reserve(blocks, layout, te session)  ->
+                                         <-  Ack(incarnation)
+                                         <-  Landed(layers a..b)    (one per group)
+                                         <-  Done(stats) | Failed(reason, in_flight)
+    Ping                                 ->  (while anything is pending)
+                                         <-  Pong(incarnation, known transfer ids)
+    Cancel                               ->  (decode gave up or the request was aborted)
+                                         <-  Released (no write for it is in flight)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import msgspec
+
+from epd_serve.connectors.epd_kv.layout import LayerLayout
+
+PROTOCOL_VERSION = 1
+
+
+# -- scheduler -> worker (same engine) ------------------------------------------
+@dataclasses.dataclass
+class SendChunk:
+    """Prefill side: tokens [start, end) of a request are computed in this step."""
+
+    request_id: str
+    transfer_id: str
+    block_ids: list[int]  # the request's blocks on this engine, in token order
+    start: int
+    end: int
+    prompt_len: int
+    mode: str | None = None  # per-request override of the transfer mode
+    fault: str | None = None  # fault injection (only where the deployment allows it)
+
+    @property
+    def is_last(self) -> bool:
+        return self.end >= self.prompt_len
+
+
+@dataclasses.dataclass
+class RecvPlan:
+    """Decode side: blocks allocated for a request whose KV a prefill worker writes."""
+
+    request_id: str
+    transfer_id: str
+    prefill_host: str
+    prefill_port: int  # the prefill engine's side channel (rank 0; rank r at + r)
+    block_ids: list[int]  # where prompt blocks first_block, first_block+1, ... land
+    first_block: int  # blocks before it are this engine's own prefix-cache hits
+    num_tokens: int  # prompt tokens
+
+
+@dataclasses.dataclass
+class FinishedSend:
+    """Prefill side: the request finished (or was aborted); report its blocks free
+    once nothing of it is in flight."""
+
+    request_id: str
+    transfer_id: str
+    aborted: bool
+
+
+# -- decode worker <-> prefill worker ---------------------------------------------
+class TransferStats(msgspec.Struct, frozen=True):
+    """One finished transfer, measured on the prefill side (its clock)."""
+
+    mode: str
+    nbytes: int
+    groups: int
+    busy_s: float  # time the link spent on it: union of [submit, complete] intervals
+    span_s: float  # first submit to last completion
+    exposed_s: float  # last completion after the end of the prefill forward pass
+    prefill_s: float  # first layer saved to the end of the forward pass (all chunks)
+    forward_end: float  # wall clock (time.time) at the end of the last forward pass
+
+
+class Reserve(msgspec.Struct, tag="reserve", frozen=True):
+    transfer_id: str
+    decode_engine: str
+    decode_rank: int
+    te_session: str
+    block_ids: list[int]
+    first_block: int
+    num_tokens: int
+    block_size: int
+    layout: list[LayerLayout]
+    version: int = PROTOCOL_VERSION
+
+
+class Ack(msgspec.Struct, tag="ack", frozen=True):
+    transfer_id: str
+    incarnation: str
+    error: str | None = None  # the reservation is refused (layouts differ, ...)
+
+
+class Ping(msgspec.Struct, tag="ping", frozen=True):
+    transfer_ids: list[str]
+
+
+class Pong(msgspec.Struct, tag="pong", frozen=True):
+    incarnation: str
+    known: list[str]
+
+
+class Cancel(msgspec.Struct, tag="cancel", frozen=True):
+    transfer_id: str
+
+
+class Landed(msgspec.Struct, tag="landed", frozen=True):
+    transfer_id: str
+    first_layer: int
+    last_layer: int
+    nbytes: int
+
+
+class Done(msgspec.Struct, tag="done", frozen=True):
+    transfer_id: str
+    stats: TransferStats
+
+
+class Failed(msgspec.Struct, tag="failed", frozen=True):
+    transfer_id: str
+    reason: str
+    in_flight: int  # writes still running; a Released follows when they end
+
+
+class Released(msgspec.Struct, tag="released", frozen=True):
+    transfer_id: str
+
+
+ToPrefill = Reserve | Ping | Cancel
+ToDecode = Ack | Pong | Landed | Done | Failed | Released
+
+_encoder = msgspec.msgpack.Encoder()
+_to_prefill = msgspec.msgpack.Decoder(ToPrefill)
+_to_decode = msgspec.msgpack.Decoder(ToDecode)
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_to_prefill(data: bytes) -> ToPrefill:
+    return _to_prefill.decode(data)
+
+
+def decode_to_decode(data: bytes) -> ToDecode:
+    return _to_decode.decode(data)

@@ -1,0 +1,230 @@
+"""Decode side: reserve blocks with the prefill worker, learn when the KV has landed,
+and turn every way a transfer can go wrong into a recompute.
+
+Runs in a decode engine's worker process. The model's thread calls `reserve` (before
+the step that follows the allocation) and `take_results` (after each step); the
+side-channel thread handles prefill's messages and, every tick, the checks:
+- a reservation the prefill worker does not acknowledge within `ack_timeout_s`;
+- a prefill worker that stops answering pings for `peer_timeout_s`, or answers as a new
+  incarnation (it restarted): its transfers are failed, nothing stale is kept;
+- a failed transfer whose writes are still in flight is held until prefill says they
+  ended (`Released`), at most `release_grace_s`, so no late write lands in blocks the
+  engine has already given to another request.
+Failed transfers are reported to vLLM as failed receives; with
+`kv_load_failure_policy: recompute` the engine then computes the prompt itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from epd_serve.connectors.epd_kv import messages as msg
+from epd_serve.connectors.epd_kv.channel import Channel
+from epd_serve.connectors.epd_kv.layout import LayerLayout
+from epd_serve.connectors.epd_kv.settings import Settings
+
+if TYPE_CHECKING:  # a vLLM class; this module itself stays importable without vLLM
+    from epd_serve.connectors.epd_kv.stats import EPDKVStats
+
+logger = logging.getLogger("vllm.epd_serve.kv.receiver")
+
+
+@dataclasses.dataclass
+class Incoming:
+    plan: msg.RecvPlan
+    address: str  # the prefill worker's side channel, host:port
+    reserved_at: float
+    acked: bool = False
+    incarnation: str | None = None
+    landed_groups: int = 0
+    outcome: str | None = None  # "done" | "failed" | "cancelled"
+    reason: str = ""
+    waiting_release_since: float | None = None  # writes may still land until Released
+    stats: msg.TransferStats | None = None
+    done_at: float = 0.0  # wall clock when prefill's Done arrived
+    resolved: bool = False  # reported to vLLM (or about to be)
+
+
+@dataclasses.dataclass
+class Peer:
+    last_ping: float = 0.0
+    last_heard: float = 0.0
+    incarnation: str | None = None
+
+
+class Receiver:
+    def __init__(self, layouts: list[LayerLayout], block_size: int, engine_id: str, rank: int,
+                 te_session: str, settings: Settings, stats: "EPDKVStats"):
+        self.layouts = layouts
+        self.block_size = block_size
+        self.engine_id = engine_id
+        self.rank = rank
+        self.te_session = te_session
+        self.settings = settings
+        self.stats = stats
+        self._lock = threading.Lock()
+        self._incoming: dict[str, Incoming] = {}  # by transfer id
+        self._peers: dict[str, Peer] = {}
+        self._ready: list[Incoming] = []
+        self.channel = Channel("decode", self._on_message, self._on_tick)
+
+    def start(self) -> None:
+        self.channel.start()
+
+    def close(self) -> None:
+        self.channel.close()
+
+    # -- the model's thread -------------------------------------------------
+    def reserve(self, plan: msg.RecvPlan) -> None:
+        address = f"{plan.prefill_host}:{plan.prefill_port + self.rank}"
+        if not plan.block_ids:
+            # Nothing to receive (decode had the prompt cached): let prefill free its
+            # blocks now rather than at its reservation timeout.
+            self.channel.post(address, msg.encode(msg.Cancel(plan.transfer_id)))
+            return
+        now = time.monotonic()
+        with self._lock:
+            self._incoming[plan.transfer_id] = Incoming(plan, address, now)
+            self._peers.setdefault(address, Peer(last_heard=now))
+        self.channel.post(address, msg.encode(msg.Reserve(
+            transfer_id=plan.transfer_id, decode_engine=self.engine_id,
+            decode_rank=self.rank, te_session=self.te_session, block_ids=plan.block_ids,
+            first_block=plan.first_block, num_tokens=plan.num_tokens,
+            block_size=self.block_size, layout=self.layouts)))
+
+    def abort(self, request_ids: set[str]) -> None:
+        """The engine finished these requests (aborted by the client, say) while their
+        KV was still coming: tell prefill to stop, and free once it has."""
+        with self._lock:
+            for incoming in self._incoming.values():
+                if incoming.plan.request_id in request_ids and incoming.outcome is None:
+                    self._conclude(incoming, "cancelled", "request aborted", in_flight=True)
+                    self.channel.post(incoming.address,
+                                      msg.encode(msg.Cancel(incoming.plan.transfer_id)))
+
+    def take_results(self) -> tuple[set[str], set[str], dict[str, dict[str, Any]]]:
+        """(finished receives, failed receives, per-request reports) since last call."""
+        with self._lock:
+            ready, self._ready = self._ready, []
+            for incoming in ready:
+                self._incoming.pop(incoming.plan.transfer_id, None)
+        finished = {i.plan.request_id for i in ready}
+        failed = {i.plan.request_id for i in ready if i.outcome == "failed"}
+        reports = {i.plan.request_id: self._report(i) for i in ready}
+        return finished, failed, reports
+
+    def _report(self, incoming: Incoming) -> dict[str, Any]:
+        report: dict[str, Any] = {"transfer_id": incoming.plan.transfer_id,
+                                  "outcome": incoming.outcome}
+        if incoming.outcome != "done":
+            report["reason"] = incoming.reason
+        if incoming.stats is not None:
+            s = incoming.stats
+            report.update(mode=s.mode, bytes=s.nbytes, groups=s.groups,
+                          transfer_ms=round(s.busy_s * 1e3, 3),
+                          exposed_ms=round(s.exposed_s * 1e3, 3),
+                          prefill_ms=round(s.prefill_s * 1e3, 3),
+                          # wall clocks of two processes: exact on one host, as good
+                          # as their clock sync across hosts
+                          ready_after_prefill_ms=round((incoming.done_at - s.forward_end) * 1e3, 3),
+                          collected_after_prefill_ms=round((time.time() - s.forward_end) * 1e3, 3))
+        return report
+
+    # -- the side-channel thread --------------------------------------------
+    def _on_message(self, address: str, payload: bytes) -> None:
+        message = msg.decode_to_decode(payload)
+        now = time.monotonic()
+        with self._lock:
+            peer = self._peers.setdefault(address, Peer())
+            peer.last_heard = now
+            if isinstance(message, msg.Pong):
+                self._check_incarnation(address, peer, message.incarnation)
+                return
+            incoming = self._incoming.get(message.transfer_id)
+            if incoming is None:
+                return
+            if isinstance(message, msg.Ack):
+                incoming.acked = True
+                incoming.incarnation = message.incarnation
+                self._check_incarnation(address, peer, message.incarnation)
+                if message.error:
+                    self._conclude(incoming, "failed", f"prefill refused: {message.error}")
+            elif isinstance(message, msg.Landed):
+                incoming.landed_groups += 1
+            elif isinstance(message, msg.Done):
+                incoming.stats, incoming.done_at = message.stats, time.time()
+                self._conclude(incoming, "done")
+            elif isinstance(message, msg.Failed):
+                self._conclude(incoming, "failed", message.reason,
+                               in_flight=message.in_flight > 0)
+            elif isinstance(message, msg.Released):
+                if incoming.waiting_release_since is not None:
+                    incoming.waiting_release_since = None
+                    self._resolve(incoming)
+
+    def _check_incarnation(self, address: str, peer: Peer, incarnation: str) -> None:
+        """A new incarnation on the same address is a restarted prefill engine: what the
+        old one had in flight will never arrive."""
+        if peer.incarnation is not None and peer.incarnation != incarnation:
+            logger.warning("epd-kv: prefill worker at %s restarted", address)
+            for incoming in self._incoming.values():
+                if incoming.address == address and incoming.acked \
+                        and incoming.incarnation != incarnation:
+                    self._conclude(incoming, "failed", "prefill restarted")
+                    self._resolve(incoming)
+        peer.incarnation = incarnation
+
+    def _on_tick(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            pending = [i for i in self._incoming.values() if not i.resolved]
+            for incoming in pending:
+                if incoming.outcome is None and not incoming.acked \
+                        and now - incoming.reserved_at > self.settings.ack_timeout_s:
+                    self._conclude(incoming, "failed", f"prefill worker {incoming.address} did "
+                                   f"not acknowledge within {self.settings.ack_timeout_s:.0f}s")
+                elif incoming.waiting_release_since is not None \
+                        and now - incoming.waiting_release_since > self.settings.release_grace_s:
+                    logger.warning("epd-kv: transfer %s: no release from prefill after %.0fs",
+                                   incoming.plan.transfer_id, self.settings.release_grace_s)
+                    incoming.waiting_release_since = None
+                    self._resolve(incoming)
+            for address in {i.address for i in pending}:
+                peer = self._peers[address]
+                if now - peer.last_heard > self.settings.peer_timeout_s:
+                    for incoming in pending:
+                        if incoming.address == address and not incoming.resolved:
+                            self._conclude(incoming, "failed", f"prefill worker {address} "
+                                           f"silent for {self.settings.peer_timeout_s:.0f}s")
+                            self._resolve(incoming)  # a silent process writes nothing
+                    peer.last_heard = now
+                elif now - peer.last_ping > self.settings.heartbeat_s:
+                    peer.last_ping = now
+                    ids = [i.plan.transfer_id for i in pending if i.address == address]
+                    self.channel.post(address, msg.encode(msg.Ping(ids)))
+
+    # -- state changes (caller holds the lock) ------------------------------
+    def _conclude(self, incoming: Incoming, outcome: str, reason: str = "",
+                  in_flight: bool = False) -> None:
+        if incoming.outcome is not None:
+            return
+        incoming.outcome, incoming.reason = outcome, reason
+        if outcome == "failed":
+            self.stats.record("receive_failures")
+            logger.warning("epd-kv: KV for request %s did not arrive (%s); decode computes "
+                           "the prompt itself", incoming.plan.request_id, reason)
+        elif outcome == "done":
+            self.stats.record("received")
+        if in_flight:
+            incoming.waiting_release_since = time.monotonic()
+        else:
+            self._resolve(incoming)
+
+    def _resolve(self, incoming: Incoming) -> None:
+        if not incoming.resolved:
+            incoming.resolved = True
+            self._ready.append(incoming)

@@ -1,0 +1,132 @@
+"""Scheduler side of the epd KV connector: which requests send or receive, and when.
+
+Runs in the engine-core process, inside vLLM's scheduler; must stay cheap and never
+touch the network (workers do that).
+- decode (`kv_consumer`): a request with `do_remote_prefill` loads its whole prompt
+  asynchronously; once blocks are allocated the next step's plan tells the workers to
+  reserve them with the prefill instance named in `kv_transfer_params`
+  (`remote_host`, `remote_port`). When the request finishes, its transfer report is
+  returned in `kv_transfer_params["epd_kv"]`.
+- prefill (`kv_producer`): every step that computes part of a `do_remote_decode`
+  request's prompt tells the workers which blocks and tokens that step writes; when the
+  request finishes its blocks stay pinned until the workers report the writes done.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from epd_serve.connectors.epd_kv import messages as msg
+from epd_serve.connectors.epd_kv.metadata import StepPlan, TransferReport
+from epd_serve.connectors.epd_kv.settings import Settings
+
+logger = logging.getLogger("vllm.epd_serve.kv.scheduler")
+
+# A request's kv_transfer_params keys for this connector.
+FAULT_KEY = "epd_fault"
+MODE_KEY = "epd_mode"
+REPORT_KEY = "epd_kv"
+
+
+class EPDKVScheduler:
+    def __init__(self, vllm_config, settings: Settings):
+        self.settings = settings
+        self.block_size = vllm_config.cache_config.block_size
+        role = vllm_config.kv_transfer_config.kv_role
+        self.is_producer = role == "kv_producer"
+        self.kv_cache_manager = None  # bound by vLLM after construction
+        self._sending: dict[str, Any] = {}  # request id -> Request being prefilled
+        self._finished_sends: list[msg.FinishedSend] = []
+        self._unreleased: set[str] = set()  # finished, blocks pinned until the workers say
+        self._recvs: list[msg.RecvPlan] = []
+        self._reports: dict[str, dict[str, Any]] = {}
+
+    # -- decode ---------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if self.is_producer or not params or not params.get("do_remote_prefill"):
+            return 0, False
+        count = len(request.prompt_token_ids or []) - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if not params:
+            return
+        if self.is_producer:
+            if params.get("do_remote_decode") and params.get("transfer_id"):
+                self._sending[request.request_id] = request
+            return
+        if not params.get("do_remote_prefill"):
+            return
+        params["do_remote_prefill"] = False  # one transfer per request, even if preempted
+        missing = [k for k in ("transfer_id", "remote_host", "remote_port") if k not in params]
+        if missing:
+            logger.warning("epd-kv: request %s lacks %s in kv_transfer_params; it is "
+                           "computed here", request.request_id, missing)
+            return
+        prompt_len = len(request.prompt_token_ids or [])
+        # The allocated blocks past this engine's own prefix-cache hit (still unhashed
+        # while the load is pending) receive the prompt's KV.
+        block_ids = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
+        self._recvs.append(msg.RecvPlan(
+            request_id=request.request_id, transfer_id=params["transfer_id"],
+            prefill_host=params["remote_host"], prefill_port=int(params["remote_port"]),
+            block_ids=block_ids,
+            first_block=(prompt_len - num_external_tokens) // self.block_size,
+            num_tokens=prompt_len))
+
+    # -- every step -----------------------------------------------------------
+    def build_connector_meta(self, scheduler_output) -> StepPlan:
+        plan = StepPlan(recvs=self._recvs, finished_sends=self._finished_sends,
+                            num_tokens=scheduler_output.total_num_scheduled_tokens)
+        self._recvs, self._finished_sends = [], []
+        for request_id, count in scheduler_output.num_scheduled_tokens.items():
+            request = self._sending.get(request_id)
+            if request is None:
+                continue
+            params = request.kv_transfer_params
+            start = request.num_computed_tokens  # vLLM advances it after this call
+            if start >= request.num_prompt_tokens:
+                continue  # a decode step: its KV is not handed off
+            plan.sends.append(msg.SendChunk(
+                request_id=request_id, transfer_id=params["transfer_id"],
+                block_ids=list(self.kv_cache_manager.get_block_ids(request_id)[0]),
+                start=start, end=min(start + count, request.num_prompt_tokens),
+                prompt_len=request.num_prompt_tokens, mode=params.get(MODE_KEY),
+                fault=params.get(FAULT_KEY)))
+        preempted = scheduler_output.preempted_req_ids or set()
+        plan.preempted = [r for r in preempted if r in self._sending]
+        return plan
+
+    def update_connector_output(self, connector_output) -> None:
+        for request_id in connector_output.finished_sending or ():
+            self._unreleased.discard(request_id)
+        report = connector_output.kv_connector_worker_meta
+        if isinstance(report, TransferReport):
+            self._reports.update(report.by_request)
+
+    def has_pending_push_work(self) -> bool:
+        # Keep the engine stepping (and so polling its workers) while blocks of
+        # finished requests wait for their writes to end.
+        return bool(self._unreleased or self._finished_sends)
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        params = request.kv_transfer_params or {}
+        if self.is_producer:
+            if self._sending.pop(request.request_id, None) is None:
+                return False, None
+            aborted = request.status.name not in ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
+            self._finished_sends.append(msg.FinishedSend(
+                request.request_id, params["transfer_id"], aborted))
+            self._unreleased.add(request.request_id)
+            return True, None
+        if params.get("do_remote_prefill") and params.get("remote_host"):
+            # Aborted before blocks were allocated: prefill must not wait for us.
+            params["do_remote_prefill"] = False
+            self._recvs.append(msg.RecvPlan(
+                request.request_id, params["transfer_id"], params["remote_host"],
+                int(params["remote_port"]), [], 0, 0))
+        report = self._reports.pop(request.request_id, None)
+        return False, ({REPORT_KEY: report} if report else None)

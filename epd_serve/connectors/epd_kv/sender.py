@@ -1,0 +1,483 @@
+"""Prefill side: write each layer group's KV into the decode instance's memory while
+later layers are still computing.
+
+Runs in a prefill engine's worker process, on four threads:
+- the model's thread calls `begin_step` (before the forward pass), `layer_saved`
+  (after each attention layer wrote its KV) and `forward_done` (after the pass); it
+  only queues jobs and never waits on the network;
+- the submit thread waits until a job's layers are written on the device (an event on
+  CUDA/NPU; CPU kernels are done when they return), then starts an asynchronous batch
+  write per job, or parks the job until decode's reservation has arrived;
+- the completion thread waits for each batch, tells decode what landed, and finally
+  sends `Done` with the transfer's numbers;
+- the side-channel thread handles decode's messages and, every tick, the timeouts:
+  a write must finish within a time sized to the bytes in flight.
+Blocks stay pinned (vLLM's delayed free) until no write of the request is in flight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from epd_serve.connectors.epd_kv import messages as msg
+from epd_serve.connectors.epd_kv.channel import Channel
+from epd_serve.connectors.epd_kv.grouping import ComputeModel, LinkModel, choose_group_size, plan_groups
+from epd_serve.connectors.epd_kv.layout import LayerLayout, block_runs, check_compatible, segments
+from epd_serve.connectors.epd_kv.settings import Settings
+from epd_serve.connectors.epd_kv.transfer import Link, TransferError
+
+if TYPE_CHECKING:  # vLLM classes; this module itself stays importable without vLLM
+    from epd_serve.connectors.epd_kv.metadata import StepPlan
+    from epd_serve.connectors.epd_kv.stats import EPDKVStats
+
+logger = logging.getLogger("vllm.epd_serve.kv.sender")
+
+# Destination used by the "fail_write" fault: an address no peer has registered, so
+# the transfer engine itself rejects the write.
+_UNREGISTERED_ADDRESS = 4096
+
+
+@dataclasses.dataclass
+class Job:
+    """Layers [first, last] of one prefill chunk of one request."""
+
+    transfer_id: str
+    first_layer: int
+    last_layer: int
+    first_block: int  # index of the chunk's first block within the request
+    block_ids: list[int]  # this engine's ids of those blocks
+    ready: Any = None  # device event recorded after the last layer's KV write
+
+
+@dataclasses.dataclass
+class Outgoing:
+    """Everything known about one transfer on this prefill worker."""
+
+    transfer_id: str
+    created: float = dataclasses.field(default_factory=time.monotonic)
+    request_id: str | None = None  # None while only decode's reservation is here
+    mode: str = "group"
+    fault: str | None = None
+    reservation: msg.Reserve | None = None
+    peer: str = ""  # decode's side-channel identity
+    backlog: list[Job] = dataclasses.field(default_factory=list)
+    queued: int = 0  # jobs waiting in the submit queue
+    in_flight: int = 0  # batches submitted and not yet completed
+    all_queued: bool = False  # the last chunk's forward pass is over
+    finished_at: float | None = None  # the scheduler finished the request
+    outcome: str | None = None  # "done" | "failed" | "cancelled"
+    announced_failure: bool = False
+    nbytes: int = 0
+    groups: int = 0
+    intervals: list[tuple[float, float]] = dataclasses.field(default_factory=list)
+    first_layer_at: float | None = None
+    forward_end: float | None = None  # perf_counter at the end of the last chunk's pass
+    forward_end_wall: float = 0.0
+
+    @property
+    def settled(self) -> bool:
+        return self.outcome is not None and self.in_flight == 0 and self.queued == 0
+
+
+@dataclasses.dataclass
+class InFlight:
+    transfer_id: str
+    batch: int
+    nbytes: int
+    first_layer: int
+    last_layer: int
+    submitted: float
+    deadline: float
+
+
+def busy_time(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end] intervals."""
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop <= end:
+            continue
+        total += stop - max(start, end)
+        end = stop
+    return total
+
+
+def ready_event(tensor):
+    """An event that completes when the kernels queued so far on `tensor`'s device
+    have run; None on the CPU, where they already have."""
+    if tensor.device.type == "cpu":
+        return None
+    import torch
+
+    event = torch.Event(device=tensor.device)
+    event.record()
+    return event
+
+
+class Sender:
+    def __init__(self, link: Link, layouts: list[LayerLayout], block_size: int, engine_id: str,
+                 rank: int, settings: Settings, link_model: LinkModel, stats: "EPDKVStats"):
+        self.link = link
+        self.layouts = layouts
+        self.num_layers = len(layouts)
+        self.block_size = block_size
+        self.settings = settings
+        self.link_model = link_model
+        self.compute = ComputeModel()
+        self.stats = stats
+        self.incarnation = f"{engine_id}:{rank}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._lock = threading.Lock()
+        self._transfers: dict[str, Outgoing] = {}
+        self._in_flight: dict[int, InFlight] = {}
+        self._finished_sending: set[str] = set()
+        self._jobs: queue.Queue[Job | None] = queue.Queue()
+        self._batches: queue.Queue[InFlight | None] = queue.Queue()
+        self.channel = Channel("prefill", self._on_message, self._on_tick)
+        # Per-step state, touched only by the model's thread.
+        self._chunks: list[msg.SendChunk] = []
+        self._step_tokens = 0
+        self._groups: dict[str, list[tuple[int, int]]] = {}
+        self._last_layer_at: float | None = None
+        self._logged_group_size: int | None = None
+
+    def start(self, port: int) -> None:
+        self.channel.serve(self.settings.host, port)
+        self.channel.start()
+        for target in (self._submit_loop, self._complete_loop):
+            threading.Thread(target=target, name=f"epd-kv-{target.__name__}", daemon=True).start()
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._batches.put(None)
+        self.channel.close()
+
+    # -- the model's thread -------------------------------------------------
+    def begin_step(self, plan: "StepPlan") -> None:
+        self._chunks = list(plan.sends)
+        self._step_tokens = plan.num_tokens
+        self._groups = {}
+        self._last_layer_at = None
+        with self._lock:
+            for chunk in self._chunks:
+                out = self._transfers.setdefault(chunk.transfer_id, Outgoing(chunk.transfer_id))
+                out.request_id = chunk.request_id
+                out.mode = chunk.mode or self.settings.mode
+                out.fault = chunk.fault if self.settings.fault_injection else None
+            for finished in plan.finished_sends:
+                self._finish(finished)
+        for request_id in plan.preempted:
+            self._wait_preempted(request_id)
+
+    def layer_saved(self, layer: int, kv_layer) -> None:
+        if not self._chunks:
+            return
+        now = time.perf_counter()
+        if self._last_layer_at is None:
+            self._plan_step()
+            with self._lock:
+                for chunk in self._chunks:
+                    out = self._transfers[chunk.transfer_id]
+                    if out.first_layer_at is None:
+                        out.first_layer_at = now
+        else:
+            self.compute.observe(now - self._last_layer_at, self._step_tokens)
+        self._last_layer_at = now
+        event = None
+        for mode, groups in self._groups.items():
+            if mode == "whole":
+                continue  # sent after the forward pass, as vLLM does
+            for first, last in groups:
+                if last == layer:
+                    event = event or ready_event(kv_layer)
+                    self._queue(mode, first, last, event)
+
+    def forward_done(self) -> None:
+        if not self._chunks:
+            return
+        now, wall = time.perf_counter(), time.time()
+        if "whole" in self._groups:
+            self._queue("whole", 0, self.num_layers - 1, None)
+        with self._lock:
+            for chunk in self._chunks:
+                out = self._transfers[chunk.transfer_id]
+                if chunk.is_last:
+                    out.forward_end, out.forward_end_wall = now, wall
+                    out.all_queued = True
+                    self._settle(out)
+        self._chunks = []
+
+    def _plan_step(self) -> None:
+        modes = {self._transfers[c.transfer_id].mode for c in self._chunks}
+        for mode in modes:
+            size = 1
+            if mode == "group":
+                size = self._group_size(mode)
+            self._groups[mode] = plan_groups(self.num_layers, mode, size)
+
+    def _group_size(self, mode: str) -> int:
+        if self.settings.group_size != "auto":
+            return int(self.settings.group_size)
+        tokens = sum(c.end - c.start for c in self._chunks if
+                     self._transfers[c.transfer_id].mode == mode)
+        layer_bytes = -(-tokens // self.block_size) * self.layouts[0].block_bytes
+        size = choose_group_size(self.num_layers, layer_bytes, self.link_model,
+                                 self.compute.layer_s(self._step_tokens),
+                                 self.settings.max_overhead_share)
+        if size != self._logged_group_size:
+            compute = self.compute.layer_s(self._step_tokens)
+            logger.info("epd-kv group size %d for %d tokens (%d KB per layer; link %.3f ms + "
+                        "%.2f GB/s; layer compute %s)", size, tokens, layer_bytes // 1024,
+                        self.link_model.overhead_s * 1e3, self.link_model.bytes_per_s / 1e9,
+                        f"{compute * 1e3:.2f} ms" if compute else "not measured yet")
+            self._logged_group_size = size
+        return size
+
+    def _queue(self, mode: str, first: int, last: int, event) -> None:
+        for chunk in self._chunks:
+            with self._lock:
+                out = self._transfers[chunk.transfer_id]
+                if out.mode != mode:
+                    continue
+                out.queued += 1
+            first_block = chunk.start // self.block_size
+            end_block = -(-chunk.end // self.block_size)
+            self._jobs.put(Job(chunk.transfer_id, first, last, first_block,
+                               chunk.block_ids[first_block:end_block], event))
+
+    def _wait_preempted(self, request_id: str, timeout_s: float = 10.0) -> None:
+        """A preempted request's blocks are about to be reused: let its writes end
+        first. It will be prefilled (and sent) again from its first token."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                busy = [o for o in self._transfers.values()
+                        if o.request_id == request_id and (o.in_flight or o.queued)]
+                for out in self._transfers.values():
+                    if out.request_id == request_id:
+                        out.backlog.clear()
+                        out.first_layer_at = None
+            if not busy:
+                return
+            time.sleep(0.001)
+        logger.warning("epd-kv: writes of preempted request %s still running after %.0fs",
+                       request_id, timeout_s)
+
+    # -- the submit thread --------------------------------------------------
+    def _submit_loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                if job.ready is not None:
+                    job.ready.synchronize()
+                with self._lock:
+                    out = self._transfers.get(job.transfer_id)
+                    if out is None:
+                        continue
+                    out.queued -= 1
+                    if out.outcome is not None:
+                        self._settle(out)
+                        continue
+                    if out.reservation is None:
+                        out.backlog.append(job)
+                        continue
+                self._submit(out, job)
+            except Exception:
+                logger.exception("epd-kv: submitting a write failed")
+
+    def _submit(self, out: Outgoing, job: Job) -> None:
+        res = out.reservation
+        pairs = [(src, res.block_ids[index - res.first_block])
+                 for index, src in enumerate(job.block_ids, start=job.first_block)
+                 if 0 <= index - res.first_block < len(res.block_ids)]
+        runs = block_runs([s for s, _ in pairs], [d for _, d in pairs])
+        srcs, dsts, lens = segments(self.layouts, res.layout,
+                                    range(job.first_layer, job.last_layer + 1), runs)
+        if out.fault == "fail_write":
+            dsts = [_UNREGISTERED_ADDRESS] * len(dsts)
+        nbytes = sum(lens)
+        now = time.perf_counter()
+        if not lens:  # decode had these blocks cached already
+            with self._lock:
+                out.groups += 1
+                self._settle(out)
+            return
+        with self._lock:
+            pending = nbytes + sum(f.nbytes for f in self._in_flight.values())
+            timeout = self.settings.transfer_timeout_s(self.link_model.transfer_s(pending))
+            try:
+                batch = self.link.submit(res.te_session, srcs, dsts, lens)
+            except TransferError as err:
+                self._fail(out, str(err))
+                self._settle(out)
+                return
+            out.in_flight += 1
+            flight = InFlight(out.transfer_id, batch, nbytes, job.first_layer, job.last_layer,
+                              now, now + timeout)
+            self._in_flight[batch] = flight
+        self._batches.put(flight)
+
+    # -- the completion thread ----------------------------------------------
+    def _complete_loop(self) -> None:
+        while (flight := self._batches.get()) is not None:
+            error = None
+            with self._lock:
+                out = self._transfers.get(flight.transfer_id)
+                stall = out is not None and out.fault == "stall" and out.groups == 0
+            if stall:  # a write that hangs past its deadline, then lands
+                time.sleep(max(0.0, flight.deadline - time.perf_counter()) + 0.5)
+            try:
+                self.link.wait(flight.batch)
+            except TransferError as err:
+                error = str(err)
+            done = time.perf_counter()
+            with self._lock:
+                self._in_flight.pop(flight.batch, None)
+                out = self._transfers.get(flight.transfer_id)
+                if out is None:
+                    continue
+                out.in_flight -= 1
+                if error is not None:
+                    self._fail(out, f"write of layers {flight.first_layer}-{flight.last_layer} "
+                                    f"failed: {error}")
+                elif out.outcome is None:
+                    out.nbytes += flight.nbytes
+                    out.groups += 1
+                    out.intervals.append((flight.submitted, done))
+                    self._post(out, msg.Landed(out.transfer_id, flight.first_layer,
+                                               flight.last_layer, flight.nbytes))
+                self._settle(out)
+
+    # -- the side-channel thread --------------------------------------------
+    def _on_message(self, peer: str, payload: bytes) -> None:
+        message = msg.decode_to_prefill(payload)
+        if isinstance(message, msg.Reserve):
+            self._on_reserve(peer, message)
+        elif isinstance(message, msg.Ping):
+            with self._lock:
+                known = [t for t in message.transfer_ids if t in self._transfers]
+            self.channel.post(peer, msg.encode(msg.Pong(self.incarnation, known)))
+        elif isinstance(message, msg.Cancel):
+            with self._lock:
+                out = self._transfers.get(message.transfer_id)
+                if out is None:
+                    self.channel.post(peer, msg.encode(msg.Released(message.transfer_id)))
+                    return
+                out.peer = peer
+                if out.outcome is None:
+                    out.outcome = "cancelled"
+                    out.announced_failure = True  # decode knows: it asked
+                out.backlog.clear()
+                self._settle(out)
+
+    def _on_reserve(self, peer: str, res: msg.Reserve) -> None:
+        error = None
+        if res.version != msg.PROTOCOL_VERSION:
+            error = f"protocol version {res.version}, prefill speaks {msg.PROTOCOL_VERSION}"
+        elif res.block_size != self.block_size:
+            error = f"block size {res.block_size}, prefill uses {self.block_size}"
+        else:
+            error = check_compatible(self.layouts, res.layout)
+        if error:
+            logger.warning("epd-kv: refused reservation %s: %s", res.transfer_id, error)
+            self.channel.post(peer, msg.encode(msg.Ack(res.transfer_id, self.incarnation, error)))
+            return
+        with self._lock:
+            out = self._transfers.setdefault(res.transfer_id, Outgoing(res.transfer_id))
+            out.reservation, out.peer = res, peer
+            backlog, out.backlog = out.backlog, []
+            out.queued += len(backlog)
+        self.channel.post(peer, msg.encode(msg.Ack(res.transfer_id, self.incarnation)))
+        for job in backlog:
+            self._jobs.put(job)
+
+    def _on_tick(self) -> None:
+        now_perf, now = time.perf_counter(), time.monotonic()
+        with self._lock:
+            for flight in list(self._in_flight.values()):
+                out = self._transfers.get(flight.transfer_id)
+                if out is not None and out.outcome is None and now_perf > flight.deadline:
+                    self._fail(out, f"write of {flight.nbytes} B not done after "
+                                    f"{flight.deadline - flight.submitted:.2f}s")
+                    self._settle(out)
+            limit = self.settings.reservation_timeout_s
+            for out in list(self._transfers.values()):
+                if out.outcome is not None:
+                    continue
+                if out.reservation is None and out.finished_at is not None \
+                        and now - out.finished_at > limit:
+                    self._fail(out, f"no decode reservation {limit:.0f}s after prefill")
+                elif out.request_id is None and now - out.created > limit:
+                    self._fail(out, f"the request did not reach this prefill instance "
+                                    f"within {limit:.0f}s of the reservation")
+                else:
+                    continue
+                self._settle(out)
+
+    # -- state changes (caller holds the lock) ------------------------------
+    def _finish(self, finished: msg.FinishedSend) -> None:
+        out = self._transfers.setdefault(finished.transfer_id, Outgoing(finished.transfer_id))
+        out.request_id = finished.request_id
+        out.finished_at = time.monotonic()
+        if finished.aborted or not out.all_queued:
+            out.backlog.clear()
+            self._fail(out, "the prefill request was aborted")
+        self._settle(out)
+
+    def _fail(self, out: Outgoing, reason: str) -> None:
+        if out.outcome is not None:
+            return
+        out.outcome = "failed"
+        out.backlog.clear()
+        self.stats.record("send_failures")
+        logger.warning("epd-kv: transfer %s (request %s) failed: %s", out.transfer_id,
+                       out.request_id, reason)
+        if out.peer:
+            out.announced_failure = True
+            self._post(out, msg.Failed(out.transfer_id, reason, out.in_flight))
+
+    def _settle(self, out: Outgoing) -> None:
+        """Send what decode should hear next and release the request's blocks once
+        nothing of it is in flight."""
+        if (out.outcome is None and out.all_queued and out.queued == 0
+                and out.in_flight == 0 and not out.backlog and out.reservation is not None):
+            out.outcome = "done"
+            stats = self._transfer_stats(out)
+            self.stats.record_send(stats.nbytes, stats.busy_s, stats.exposed_s, stats.groups)
+            self._post(out, msg.Done(out.transfer_id, stats))
+        if not out.settled:
+            return
+        if out.outcome in ("failed", "cancelled") and out.announced_failure and out.peer:
+            self._post(out, msg.Released(out.transfer_id))
+            out.announced_failure = False
+        if out.finished_at is not None and out.request_id is not None:
+            self._finished_sending.add(out.request_id)
+            del self._transfers[out.transfer_id]
+        elif out.request_id is None and out.outcome != "done":
+            del self._transfers[out.transfer_id]  # a reservation nobody will use
+
+    def _transfer_stats(self, out: Outgoing) -> msg.TransferStats:
+        starts = [s for s, _ in out.intervals] or [out.forward_end or 0.0]
+        ends = [e for _, e in out.intervals] or [out.forward_end or 0.0]
+        forward_end = out.forward_end or max(ends)
+        return msg.TransferStats(
+            mode=out.mode, nbytes=out.nbytes, groups=out.groups,
+            busy_s=busy_time(out.intervals), span_s=max(ends) - min(starts),
+            exposed_s=max(0.0, max(ends) - forward_end),
+            prefill_s=forward_end - (out.first_layer_at or forward_end),
+            forward_end=out.forward_end_wall)
+
+    def _post(self, out: Outgoing, message) -> None:
+        if out.peer:
+            self.channel.post(out.peer, msg.encode(message))
+
+    # -- the model's thread, after the step ------------------------------------
+    def take_finished(self) -> set[str]:
+        """Requests whose blocks can be freed: finished, and nothing in flight."""
+        with self._lock:
+            done, self._finished_sending = self._finished_sending, set()
+        return done

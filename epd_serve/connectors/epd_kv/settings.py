@@ -1,0 +1,50 @@
+"""The epd KV connector's settings: `kv_connector_extra_config` made typed.
+
+Imported in every vLLM process that builds the connector. Unknown keys are refused by
+name, so a typo in a deployment file fails at start-up instead of being ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from epd_serve.connectors.epd_kv.grouping import MODES
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    host: str = "127.0.0.1"  # address the side channel and the transfer engine use
+    protocol: str = "tcp"  # transfer engine transport: tcp | rdma | ascend
+    device_name: str = ""  # RDMA device(s) for the transfer engine ("" = auto)
+    mode: str = "group"  # whole | layer | group
+    group_size: int | str = "auto"  # layers per group, or chosen from calibration
+    max_overhead_share: float = 0.1  # per-batch overhead allowed in a group's link time
+    ack_timeout_s: float = 5.0  # decode: the prefill worker must acknowledge a reservation
+    heartbeat_s: float = 1.0  # decode: ping prefill workers with pending transfers
+    peer_timeout_s: float = 10.0  # decode: prefill silent this long is taken for dead
+    transfer_timeout_floor_s: float = 1.0  # prefill: least time a write may take ...
+    transfer_timeout_slack: float = 20.0  # ... else this many times its expected time
+    reservation_timeout_s: float = 120.0  # prefill: unmatched transfers are dropped
+    release_grace_s: float = 30.0  # decode: wait for a failed transfer's writes to end
+    fault_injection: bool = False  # honour kv_transfer_params["epd_fault"] (tests)
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any]) -> "Settings":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(f"unknown epd KV connector setting(s) {unknown}; "
+                             f"known: {sorted(known)}")
+        settings = cls(**extra)
+        if settings.mode not in MODES:
+            raise ValueError(f"unknown KV transfer mode {settings.mode!r}; "
+                             f"choose one of {', '.join(MODES)}")
+        if settings.group_size != "auto" and (not isinstance(settings.group_size, int)
+                                               or settings.group_size < 1):
+            raise ValueError(f"group_size must be 'auto' or a positive integer, "
+                             f"not {settings.group_size!r}")
+        return settings
+
+    def transfer_timeout_s(self, expected_s: float) -> float:
+        return max(self.transfer_timeout_floor_s, self.transfer_timeout_slack * expected_s)

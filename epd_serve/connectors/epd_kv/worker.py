@@ -1,0 +1,117 @@
+"""Worker side of the epd KV connector: the KV cache, the transfer engine, and the
+prefill sender or decode receiver of this worker.
+
+Runs in each engine worker process (one per tensor-parallel rank); rank r's side
+channel listens on `kv_port + r` and talks only to rank r of the other engine (both
+engines must use the same tensor-parallel size).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from epd_serve.connectors.epd_kv import messages as msg
+from epd_serve.connectors.epd_kv.metadata import StepPlan, TransferReport
+from epd_serve.connectors.epd_kv.layout import describe_layer, storage_spans
+from epd_serve.connectors.epd_kv.receiver import Receiver
+from epd_serve.connectors.epd_kv.sender import Sender
+from epd_serve.connectors.epd_kv.settings import Settings
+from epd_serve.connectors.epd_kv.stats import EPDKVStats
+from epd_serve.connectors.epd_kv.transfer import Link
+
+logger = logging.getLogger("vllm.epd_serve.kv.worker")
+
+CALIBRATION_BYTES = 16 << 20
+
+
+class EPDKVWorker:
+    def __init__(self, vllm_config, kv_cache_config, settings: Settings):
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        transfer = vllm_config.kv_transfer_config
+        self.settings = settings
+        self.engine_id = transfer.engine_id
+        self.is_producer = transfer.kv_role == "kv_producer"
+        self.port = transfer.kv_port
+        self.block_size = vllm_config.cache_config.block_size
+        self.num_blocks = kv_cache_config.num_blocks
+        self.rank = get_tensor_model_parallel_rank()
+        self.stats = EPDKVStats()
+        self.layer_index: dict[str, int] = {}
+        self.sender: Sender | None = None
+        self.receiver: Receiver | None = None
+        self._reports: dict[str, dict] = {}
+
+    def register_kv_caches(self, kv_caches: dict) -> None:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        names = sorted(kv_caches, key=extract_layer_index)
+        self.layer_index = {name: i for i, name in enumerate(names)}
+        layouts = [describe_layer(kv_caches[name], self.num_blocks) for name in names]
+        link = Link(self.settings.host, self.settings.protocol, self.settings.device_name)
+        link.register(storage_spans(kv_caches.values()))
+        if self.is_producer:
+            scratch = np.zeros(CALIBRATION_BYTES, dtype=np.uint8)
+            link.register([(scratch.ctypes.data, scratch.nbytes)])
+            model = link.calibrate(scratch.ctypes.data, scratch.nbytes)
+            self._scratch = scratch  # registered memory must outlive the engine
+            logger.info("epd-kv prefill rank %d: %d KV layers, %d B per block and layer, "
+                        "side channel %s:%d, transfer engine %s over %s, link calibrated at "
+                        "%.3f ms per write + %.2f GB/s, mode %s", self.rank, len(layouts),
+                        layouts[0].block_bytes, self.settings.host, self.port + self.rank,
+                        link.session_id, link.protocol, model.overhead_s * 1e3,
+                        model.bytes_per_s / 1e9, self.settings.mode)
+            self.sender = Sender(link, layouts, self.block_size, self.engine_id, self.rank,
+                                 self.settings, model, self.stats)
+            self.sender.start(self.port + self.rank)
+        else:
+            logger.info("epd-kv decode rank %d: %d KV layers, transfer engine %s over %s",
+                        self.rank, len(layouts), link.session_id, link.protocol)
+            self.receiver = Receiver(layouts, self.block_size, self.engine_id, self.rank,
+                                     link.session_id, self.settings, self.stats)
+            self.receiver.start()
+        self.link = link
+
+    # -- per step ---------------------------------------------------------------
+    def begin_step(self, plan: StepPlan) -> None:
+        if self.sender is not None:
+            self.sender.begin_step(plan)
+        if self.receiver is not None:
+            for recv in plan.recvs:
+                self.receiver.reserve(recv)
+
+    def layer_saved(self, layer_name: str, kv_layer) -> None:
+        if self.sender is not None:
+            self.sender.layer_saved(self.layer_index[layer_name], kv_layer)
+
+    def forward_done(self) -> None:
+        if self.sender is not None:
+            self.sender.forward_done()
+
+    def transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
+        """(finished sending, finished receiving, failed receiving)."""
+        if self.sender is not None:
+            return self.sender.take_finished(), set(), set()
+        if self.receiver is None:
+            return set(), set(), set()
+        if finished_req_ids:
+            self.receiver.abort(finished_req_ids)
+        finished, failed, reports = self.receiver.take_results()
+        self._reports.update(reports)
+        return set(), finished, failed
+
+    def take_reports(self) -> TransferReport | None:
+        if not self._reports:
+            return None
+        reports, self._reports = self._reports, {}
+        return TransferReport(reports)
+
+    def take_stats(self) -> EPDKVStats | None:
+        return None if self.stats.is_empty() else self.stats.clone_and_reset()
+
+    def shutdown(self) -> None:
+        for part in (self.sender, self.receiver):
+            if part is not None:
+                part.close()

@@ -1,0 +1,39 @@
+"""The seam between the proxy's request flow and a KV hand-off protocol.
+
+Runs inside the proxy process. The pipeline runs the encode stage, then gives the
+request to the deployment's `Handoff`, which owns every prefill and decode call and
+everything protocol-specific about them (the `kv_transfer_params`, the order of the
+calls, what to do when one side fails). One file per protocol in this package.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from typing import ClassVar
+
+from epd_serve.proxy.state import InstanceState, ProxyConfig
+from epd_serve.proxy.upstream import ProxyError, Trip, Upstream
+
+
+class Handoff(ABC):
+    name: ClassVar[str]
+
+    def __init__(self, upstream: Upstream, config: ProxyConfig):
+        self.upstream = upstream
+        self.config = config
+
+    @abstractmethod
+    async def complete(self, path: str, body: dict, trip: Trip,
+                       prefill: list[InstanceState]) -> dict:
+        """Prefill on one of `prefill` (in turn order), decode elsewhere; the answer."""
+
+    @abstractmethod
+    async def stream(self, path: str, body: dict, trip: Trip,
+                     prefill: list[InstanceState]) -> AsyncIterator[bytes]:
+        """As `complete`, streamed; errors before the first byte raise ProxyError."""
+
+    async def metaserver(self, body: dict) -> dict:
+        """A decode instance reporting its allocation (protocols that use it)."""
+        raise ProxyError(404, f"/v1/metaserver is not used by the {self.name!r} KV hand-off",
+                         "invalid_request_error")

@@ -1,0 +1,95 @@
+"""Our connector (epd_serve/connectors/epd_kv): decode and prefill start together.
+
+Decode gets the request with `do_remote_prefill` and the prefill instance's side
+channel; it allocates blocks and reserves them with that prefill worker, which writes
+each layer group into them while it computes. Prefill runs the same request with
+`do_remote_decode`. The answer is decode's; it is released to the client once prefill
+has succeeded. If prefill fails, decode's request is closed (the engine aborts it and
+frees its blocks) and the pair is retried on the next prefill instance; a 4xx from
+prefill is the client's error and is returned as is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from epd_serve.proxy.handoff.base import Handoff
+from epd_serve.proxy.state import InstanceState
+from epd_serve.proxy.upstream import ProxyError, Trip, single_token
+
+# Keys of kv_transfer_params a client may set to steer our connector per request
+# (transfer mode, fault injection where the deployment allows it); passed to prefill.
+PASSTHROUGH_KEYS = ("epd_mode", "epd_fault")
+
+
+class EPDPush(Handoff):
+    name = "epd"
+
+    async def complete(self, path, body, trip, prefill):
+        async def decode(decode_body):
+            return (await self.upstream.post("D", path, decode_body, trip))[1]
+
+        result = await self._run(path, body, trip, prefill, decode, _discard_result)
+        trip.kv = (result.get("kv_transfer_params") or {}).get("epd_kv")
+        return result
+
+    async def stream(self, path, body, trip, prefill) -> AsyncIterator[bytes]:
+        async def decode(decode_body):
+            return await self.upstream.open_stream("D", path, decode_body, trip)
+
+        async def close(stream):
+            await stream.close()
+
+        return (await self._run(path, body, trip, prefill, decode, close)).relay()
+
+    async def _run(self, path: str, body: dict, trip: Trip, prefill: list[InstanceState],
+                   decode: Callable[[dict], Awaitable], discard: Callable[[object], Awaitable]):
+        last: ProxyError | None = None
+        steering = {k: v for k, v in (body.get("kv_transfer_params") or {}).items()
+                    if k in PASSTHROUGH_KEYS}
+        for p_inst in prefill:
+            host, _, port = (p_inst.entry.kv_endpoint or "").rpartition(":")
+            if not host:
+                raise ProxyError(500, f"prefill instance {p_inst.name} has no KV side channel")
+            transfer_id = uuid.uuid4().hex
+            decode_body = {k: v for k, v in body.items() if k != "ec_transfer_params"}
+            decode_body["kv_transfer_params"] = {
+                "do_remote_prefill": True, "do_remote_decode": False,
+                "transfer_id": transfer_id, "remote_host": host, "remote_port": int(port)}
+            prefill_body = single_token(body, kv_transfer_params={
+                "do_remote_decode": True, "do_remote_prefill": False,
+                "transfer_id": transfer_id, **steering})
+            # Decode first, so it can reserve blocks while prefill computes.
+            decoding = asyncio.create_task(decode(decode_body))
+            try:
+                await self.upstream.post("P", path, prefill_body, trip, [p_inst])
+            except ProxyError as err:
+                await _cancel(decoding, discard)
+                if err.status < 500:
+                    raise
+                last = err
+                continue
+            except BaseException:
+                await _cancel(decoding, discard)
+                raise
+            return await decoding
+        raise last or ProxyError(503, "no healthy instance runs stage P", "service_unavailable")
+
+
+async def _discard_result(_result) -> None:
+    return None
+
+
+async def _cancel(task: asyncio.Task, discard: Callable[[object], Awaitable]) -> None:
+    """Stop a decode request whose prefill failed: cancelling closes its connection,
+    which makes the engine abort it."""
+    if task.done():
+        with contextlib.suppress(BaseException):
+            await discard(task.result())
+        return
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        await task

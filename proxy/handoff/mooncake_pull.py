@@ -1,0 +1,73 @@
+"""vLLM's MooncakeConnector: prefill computes the whole prompt, then decode pulls it.
+
+The proxy asks the prefill instance's bootstrap server (`GET /query`) for its engine
+id once per incarnation of that instance, runs prefill with `do_remote_decode`, then
+decode with `do_remote_prefill` and where to pull from.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+
+import httpx
+
+from epd_serve.proxy.handoff.base import Handoff
+from epd_serve.proxy.state import InstanceState
+from epd_serve.proxy.upstream import ProxyError, Trip, single_token, upstream_error
+
+
+class MooncakePull(Handoff):
+    name = "mooncake"
+
+    def __init__(self, upstream, config):
+        super().__init__(upstream, config)
+        self._engine_ids: dict[str, tuple[int, str]] = {}  # name -> (incarnation, id)
+
+    async def _prefill(self, path: str, body: dict, trip: Trip,
+                       prefill: list[InstanceState]) -> dict:
+        """Run prefill; returns the decode request."""
+        transfer_id = uuid.uuid4().hex
+        p_inst, _ = await self.upstream.post("P", path, single_token(body, kv_transfer_params={
+            "do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id,
+        }), trip, prefill)
+        decode_body = {k: v for k, v in body.items() if k != "ec_transfer_params"}
+        decode_body["kv_transfer_params"] = {
+            "do_remote_decode": False,
+            "do_remote_prefill": True,
+            "remote_bootstrap_addr": p_inst.entry.kv_endpoint,
+            "remote_engine_id": await self._engine_id(p_inst),
+            "transfer_id": transfer_id,
+        }
+        return decode_body
+
+    async def complete(self, path, body, trip, prefill):
+        decode_body = await self._prefill(path, body, trip, prefill)
+        _, result = await self.upstream.post("D", path, decode_body, trip)
+        return result
+
+    async def stream(self, path, body, trip, prefill) -> AsyncIterator[bytes]:
+        decode_body = await self._prefill(path, body, trip, prefill)
+        return (await self.upstream.open_stream("D", path, decode_body, trip)).relay()
+
+    async def _engine_id(self, inst: InstanceState) -> str:
+        """The prefill engine's id from its bootstrap server; a restarted instance (new
+        incarnation) has a new one."""
+        cached = self._engine_ids.get(inst.name)
+        if cached and cached[0] == inst.incarnation:
+            return cached[1]
+        if not inst.entry.kv_endpoint:
+            raise ProxyError(500, f"prefill instance {inst.name} has no KV bootstrap URL")
+        try:
+            resp = await self.upstream.client.get(inst.entry.kv_endpoint + "/query")
+        except httpx.TransportError as err:
+            raise ProxyError(502, f"KV bootstrap of prefill instance {inst.name} is "
+                                  f"unreachable: {err}", "upstream_error") from None
+        if resp.status_code != 200:
+            raise upstream_error(inst, resp.status_code, resp.text)
+        workers = resp.json()
+        if not workers:
+            raise ProxyError(503, f"prefill instance {inst.name} has no KV worker registered yet")
+        engine_id = next(iter(workers.values()))["engine_id"]
+        self._engine_ids[inst.name] = (inst.incarnation, engine_id)
+        return engine_id

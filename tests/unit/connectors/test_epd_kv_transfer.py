@@ -1,0 +1,308 @@
+"""The epd KV connector's prefill sender and decode receiver, talking over their real
+side channel (ZeroMQ on 127.0.0.1), with an in-process stand-in for the transfer
+engine that copies bytes between two numpy "KV caches" (and fails or hangs on demand).
+The engine-level behaviour is tested against real vLLM instances in tests/e2e."""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import threading
+import time
+import types
+
+import numpy as np
+import pytest
+
+from epd_serve.connectors.epd_kv.grouping import LinkModel
+from epd_serve.connectors.epd_kv.layout import LayerLayout, Region
+from epd_serve.connectors.epd_kv.messages import FinishedSend, RecvPlan, SendChunk
+from epd_serve.connectors.epd_kv.receiver import Receiver
+from epd_serve.connectors.epd_kv.sender import Sender
+from epd_serve.connectors.epd_kv.settings import Settings
+from epd_serve.connectors.epd_kv.transfer import TransferError
+
+from ...ports import free_port_block
+
+LAYERS, BLOCKS, BLOCK_BYTES, BLOCK_SIZE = 6, 16, 256, 4
+CPU_TENSOR = types.SimpleNamespace(device=types.SimpleNamespace(type="cpu"))
+
+
+class FakeLink:
+    """Copies segments at once; `fail` makes writes fail, `hold` makes them hang
+    until released."""
+
+    def __init__(self):
+        self.fail = False
+        self.hold: threading.Event | None = None
+        self.batches: dict[int, bool] = {}
+        self.segments = 0
+
+    def submit(self, peer, srcs, dsts, lens):
+        batch = len(self.batches) + 1
+        if not self.fail:
+            for src, dst, n in zip(srcs, dsts, lens):
+                ctypes.memmove(dst, src, n)
+        self.segments += len(lens)
+        self.batches[batch] = not self.fail
+        return batch
+
+    def wait(self, batch):
+        if self.hold is not None:
+            self.hold.wait(10)
+        if not self.batches[batch]:
+            raise TransferError("write batch failed with status -1")
+
+
+class Stats:
+    def __init__(self):
+        self.records = []
+
+    def record(self, key):
+        self.records.append(key)
+
+    def record_send(self, *values):
+        self.records.append(("sent", *values))
+
+
+def cache() -> tuple[np.ndarray, list[LayerLayout]]:
+    memory = np.zeros((LAYERS, BLOCKS, BLOCK_BYTES), dtype=np.uint8)
+    layouts = [LayerLayout((Region(memory[i].ctypes.data, BLOCK_BYTES, BLOCK_BYTES),))
+               for i in range(LAYERS)]
+    return memory, layouts
+
+
+@dataclasses.dataclass
+class Pair:
+    sender: Sender
+    receiver: Receiver
+    link: FakeLink
+    p_memory: np.ndarray
+    d_memory: np.ndarray
+    port: int
+    settings: Settings
+
+
+@pytest.fixture
+def make_pair():
+    made = []
+
+    def make(**overrides) -> Pair:
+        settings = Settings(**{"ack_timeout_s": 2.0, "heartbeat_s": 0.1, "peer_timeout_s": 1.0,
+                               "transfer_timeout_floor_s": 0.3, "reservation_timeout_s": 0.5,
+                               "release_grace_s": 5.0, "fault_injection": True, **overrides})
+        p_memory, p_layouts = cache()
+        p_memory[:] = np.random.default_rng(0).integers(1, 255, p_memory.shape, dtype=np.uint8)
+        d_memory, d_layouts = cache()
+        link = FakeLink()
+        port = free_port_block(1, start=32000)
+        sender = Sender(link, p_layouts, BLOCK_SIZE, "p-engine", 0, settings,
+                        LinkModel(1e-4, 1e9), Stats())
+        sender.start(port)
+        receiver = Receiver(d_layouts, BLOCK_SIZE, "d-engine", 0, "d-session", settings, Stats())
+        receiver.start()
+        pair = Pair(sender, receiver, link, p_memory, d_memory, port, settings)
+        made.append(pair)
+        return pair
+
+    yield make
+    for pair in made:
+        pair.receiver.close()
+        pair.sender.close()
+
+
+def recv_plan(pair: Pair, transfer="t1", blocks=(9, 10, 11), first_block=0, tokens=12):
+    return RecvPlan("d-req", transfer, "127.0.0.1", pair.port, list(blocks), first_block, tokens)
+
+
+def prefill(pair: Pair, transfer="t1", blocks=(2, 3, 4), start=0, end=12, prompt=12,
+            mode="group", fault=None):
+    """One prefill step computing tokens [start, end): every layer saved, pass ends."""
+    chunk = SendChunk("p-req", transfer, list(blocks), start, end, prompt, mode, fault)
+    pair.sender.begin_step(types.SimpleNamespace(sends=[chunk], finished_sends=[],
+                                                 preempted=[], num_tokens=end - start))
+    for layer in range(LAYERS):
+        pair.sender.layer_saved(layer, CPU_TENSOR)
+    pair.sender.forward_done()
+
+
+def finish_prefill(pair: Pair, transfer="t1", aborted=False):
+    pair.sender.begin_step(types.SimpleNamespace(
+        sends=[], preempted=[], num_tokens=0,
+        finished_sends=[FinishedSend("p-req", transfer, aborted)]))
+
+
+def wait_for(condition, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.01)
+    raise AssertionError("condition not met in time")
+
+
+def results(pair: Pair):
+    """Poll the receiver as the engine does each step until something is reported."""
+    collected = {"finished": set(), "failed": set(), "reports": {}}
+
+    def poll():
+        finished, failed, reports = pair.receiver.take_results()
+        collected["finished"] |= finished
+        collected["failed"] |= failed
+        collected["reports"].update(reports)
+        return collected["finished"]
+
+    wait_for(poll)
+    return collected
+
+
+def test_every_layer_group_lands_in_decodes_reserved_blocks(make_pair):
+    pair = make_pair()
+    pair.receiver.reserve(recv_plan(pair))
+    time.sleep(0.2)  # the reservation is there before prefill computes
+    prefill(pair)
+    got = results(pair)
+    assert got["finished"] == {"d-req"} and not got["failed"]
+    report = got["reports"]["d-req"]
+    assert report["outcome"] == "done" and report["bytes"] == LAYERS * 3 * BLOCK_BYTES
+    assert report["groups"] >= 2  # the last layer travels on its own
+    # Prefill blocks 2,3,4 are consecutive on both sides: one segment per layer group.
+    assert np.array_equal(pair.d_memory[:, 9:12], pair.p_memory[:, 2:5])
+    assert not pair.d_memory[:, :9].any() and not pair.d_memory[:, 12:].any()
+    # Prefill frees its blocks once the request finished and nothing is in flight.
+    finish_prefill(pair)
+    assert wait_for(pair.sender.take_finished) == {"p-req"}
+
+
+def test_a_late_reservation_gets_what_prefill_computed_meanwhile(make_pair):
+    pair = make_pair()
+    prefill(pair, blocks=(5, 7, 8))  # computed before decode has allocated anything
+    finish_prefill(pair)
+    assert pair.sender.take_finished() == set()  # pinned: decode has not reserved yet
+    pair.receiver.reserve(recv_plan(pair, blocks=(1, 2, 3)))
+    assert results(pair)["reports"]["d-req"]["outcome"] == "done"
+    assert np.array_equal(pair.d_memory[:, 1:4], pair.p_memory[:, [5, 7, 8]])
+    assert wait_for(pair.sender.take_finished) == {"p-req"}
+
+
+def test_chunked_prefill_and_decodes_own_prefix_hit(make_pair):
+    pair = make_pair()
+    # Decode already holds block 0 (a prefix-cache hit): it reserves blocks 1.. only.
+    pair.receiver.reserve(recv_plan(pair, blocks=(12, 13), first_block=1, tokens=12))
+    time.sleep(0.2)
+    prefill(pair, start=0, end=6)  # tokens 0-5: blocks 0 and 1 (half full)
+    prefill(pair, start=6, end=12)  # tokens 6-11: blocks 1 (again, now full) and 2
+    assert results(pair)["reports"]["d-req"]["outcome"] == "done"
+    assert np.array_equal(pair.d_memory[:, 12:14], pair.p_memory[:, 3:5])
+    assert not pair.d_memory[:, :12].any()
+
+
+@pytest.mark.parametrize("mode, groups", [("whole", 1), ("layer", LAYERS)])
+def test_modes_send_one_write_or_one_per_layer(make_pair, mode, groups):
+    pair = make_pair()
+    pair.receiver.reserve(recv_plan(pair))
+    time.sleep(0.2)
+    prefill(pair, mode=mode)
+    report = results(pair)["reports"]["d-req"]
+    assert (report["mode"], report["groups"]) == (mode, groups)
+    assert np.array_equal(pair.d_memory[:, 9:12], pair.p_memory[:, 2:5])
+
+
+def test_a_failed_write_makes_decode_recompute_and_frees_both_sides(make_pair):
+    pair = make_pair()
+    pair.link.fail = True
+    pair.receiver.reserve(recv_plan(pair))
+    time.sleep(0.2)
+    prefill(pair)
+    got = results(pair)
+    assert got["failed"] == {"d-req"} and "failed" in got["reports"]["d-req"]["reason"]
+    finish_prefill(pair)
+    assert wait_for(pair.sender.take_finished) == {"p-req"}
+    assert "send_failures" in pair.sender.stats.records
+    assert "receive_failures" in pair.receiver.stats.records
+
+
+def test_a_write_past_its_deadline_fails_but_decode_waits_for_it_to_end(make_pair):
+    pair = make_pair()
+    pair.link.hold = threading.Event()
+    pair.receiver.reserve(recv_plan(pair))
+    time.sleep(0.2)
+    prefill(pair, mode="whole")
+    time.sleep(1.0)  # well past the 0.3 s deadline: prefill has declared it failed
+    assert pair.receiver.take_results()[0] == set()  # ... but the write may still land
+    pair.link.hold.set()
+    got = results(pair)
+    assert got["failed"] == {"d-req"} and "not done after" in got["reports"]["d-req"]["reason"]
+
+
+def test_a_prefill_that_restarts_fails_its_old_transfers(make_pair):
+    pair = make_pair()
+    pair.link.hold = threading.Event()  # keep the transfer open
+    pair.receiver.reserve(recv_plan(pair))
+    time.sleep(0.3)  # acknowledged by the first incarnation
+    pair.sender.close()
+    time.sleep(0.1)
+    reborn = Sender(FakeLink(), pair.sender.layouts, BLOCK_SIZE, "p-engine", 0, pair.settings,
+                    LinkModel(1e-4, 1e9), Stats())
+    reborn.start(pair.port)
+    try:
+        got = results(pair)
+        assert got["failed"] == {"d-req"}
+        assert got["reports"]["d-req"]["reason"] == "prefill restarted"
+    finally:
+        reborn.close()
+        pair.link.hold.set()
+
+
+def test_a_prefill_that_goes_silent_is_given_up(make_pair):
+    pair = make_pair(peer_timeout_s=0.6)
+    pair.link.hold = threading.Event()
+    pair.receiver.reserve(recv_plan(pair))
+    time.sleep(0.3)
+    pair.sender.channel.close()  # the engine is gone; nobody answers pings
+    started = time.monotonic()
+    got = results(pair)
+    assert got["failed"] == {"d-req"} and "silent" in got["reports"]["d-req"]["reason"]
+    assert time.monotonic() - started < 3
+    pair.link.hold.set()
+
+
+def test_an_unreachable_prefill_is_detected_by_the_missing_acknowledgement(make_pair):
+    pair = make_pair(ack_timeout_s=0.5)
+    plan = recv_plan(pair)
+    plan.prefill_port = free_port_block(1, start=33000)  # nothing listens there
+    pair.receiver.reserve(plan)
+    assert "did not acknowledge" in results(pair)["reports"]["d-req"]["reason"]
+
+
+def test_an_aborted_decode_request_cancels_and_is_freed(make_pair):
+    pair = make_pair()
+    pair.receiver.reserve(recv_plan(pair))
+    time.sleep(0.2)
+    pair.receiver.abort({"d-req"})
+    got = results(pair)
+    assert got["finished"] == {"d-req"} and not got["failed"]
+    assert got["reports"]["d-req"]["outcome"] == "cancelled"
+    # Prefill stops for it: its blocks are freed as soon as its request finished.
+    prefill(pair)
+    finish_prefill(pair)
+    assert wait_for(pair.sender.take_finished) == {"p-req"}
+
+
+def test_prefill_frees_blocks_nobody_reserved(make_pair):
+    pair = make_pair(reservation_timeout_s=0.3)
+    prefill(pair)
+    finish_prefill(pair)
+    assert wait_for(pair.sender.take_finished, timeout=3) == {"p-req"}
+
+
+def test_mismatched_layouts_are_refused_before_any_write(make_pair):
+    pair = make_pair()
+    other = [LayerLayout((Region(r.regions[0].base, BLOCK_BYTES, BLOCK_BYTES // 2),))
+             for r in pair.receiver.layouts]
+    pair.receiver.layouts = other
+    pair.receiver.reserve(recv_plan(pair))
+    got = results(pair)
+    assert got["failed"] == {"d-req"} and "block sizes differ" in got["reports"]["d-req"]["reason"]
+    assert pair.link.segments == 0

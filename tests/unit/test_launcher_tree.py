@@ -1,0 +1,286 @@
+"""The launcher leaves no orphans: a dead instance's engine processes die before its
+restart, and `stop()` / `epd-serve down` kill every process an instance ever started.
+
+The fake instance below is shaped like vLLM's: an API server serving /health forks an
+engine core (multiprocessing), which starts a worker that ignores SIGTERM and a helper
+that daemonizes. The worker runs with a cleared environment, so only its process group
+finds it; the helper calls os.setsid() and is reparented to init, so only the
+environment tag finds it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from epd_serve import config, launcher as launcher_mod
+from epd_serve.backends.cpu.platform import CpuPlatform
+from epd_serve.launcher import TAG_ENV, Launcher, stop_from_state
+
+from ..ports import free_port_block
+
+REPO = Path(__file__).resolve().parents[2]
+ROLES = ("leader", "engine", "worker", "escaper")
+
+FAKE_INSTANCE = textwrap.dedent('''
+    """A fake vLLM instance; every process writes <pid-dir>/<leader pid>.<role> = its pid."""
+    import argparse, http.server, multiprocessing, os, signal, subprocess, sys, time
+
+    def record(pid_dir, role):
+        path = os.path.join(pid_dir, f"{os.environ['FAKE_LEADER']}.{role}")
+        with open(path + ".tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(path + ".tmp", path)  # never read half-written
+
+    def sleep_forever():
+        while True:
+            time.sleep(60)
+
+    def engine_core(pid_dir):
+        record(pid_dir, "engine")
+        # A clean environment drops the launcher's tag; the process group remains.
+        subprocess.Popen([sys.executable, __file__, "worker", pid_dir],
+                         env={"FAKE_LEADER": os.environ["FAKE_LEADER"]})
+        subprocess.Popen([sys.executable, __file__, "escaper", pid_dir])
+        sleep_forever()
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    if sys.argv[1] == "worker":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # only SIGKILL stops it
+        record(sys.argv[2], "worker")
+        sleep_forever()
+    elif sys.argv[1] == "escaper":
+        os.setsid()  # its own session and group: killpg of the leader's group misses it
+        if os.fork():
+            os._exit(0)  # and no parent in the tree: init adopts it
+        record(sys.argv[2], "escaper")
+        sleep_forever()
+    else:
+        parser = argparse.ArgumentParser()
+        parser.add_argument("--pid-dir", required=True)
+        parser.add_argument("--host", default="127.0.0.1")
+        parser.add_argument("--port", type=int, required=True)
+        args, _ = parser.parse_known_args()
+        os.environ["FAKE_LEADER"] = str(os.getpid())
+        record(args.pid_dir, "leader")
+        # Forked before any thread starts, like vLLM's engine core.
+        multiprocessing.get_context("fork").Process(target=engine_core,
+                                                    args=(args.pid_dir,)).start()
+        http.server.HTTPServer((args.host, args.port), Health).serve_forever()
+''')
+
+
+class TreePlatform(CpuPlatform):
+    """CPU command shapes, but each instance is the fake process tree above."""
+
+    def __init__(self, script: Path, pid_dir: Path):
+        super().__init__()
+        self.script, self.pid_dir = script, pid_dir
+
+    def engine_launcher(self) -> list[str]:
+        return [sys.executable, str(self.script), "--pid-dir", str(self.pid_dir), "--model"]
+
+    def check_available(self) -> None:
+        pass
+
+
+@pytest.fixture
+def tree_launcher(tmp_path, monkeypatch):
+    """A started TP1 deployment (one fake instance and the proxy), stopped afterwards."""
+    monkeypatch.setattr(launcher_mod, "STOP_GRACE_S", 3.0)  # the worker ignores SIGTERM
+    script = tmp_path / "fake_instance.py"
+    script.write_text(FAKE_INSTANCE)
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"")
+    base = free_port_block(5)
+    dep = config.resolve(config.Deployment(
+        name="tree", deployment="TP1", model=str(model), served_model_name="fake",
+        proxy_port=base, base_port=base + 1, work_dir=str(tmp_path / "work"),
+        health_timeout_s=30), tmp_path)
+    launcher = Launcher(dep, TreePlatform(script, pid_dir), on_event=lambda msg: None)
+    launcher.start()
+    launcher.pid_dir = pid_dir
+    try:
+        launcher.wait_healthy()
+        yield launcher
+    finally:
+        launcher.stop()
+
+
+def instance(launcher: Launcher):
+    return next(c for c in launcher.children if c.name == "epd0")
+
+
+def tree_pids(launcher: Launcher, timeout: float = 15.0) -> dict[str, int]:
+    """The pids of every process the current incarnation of the instance started."""
+    leader = instance(launcher).process.pid
+    deadline = time.monotonic() + timeout
+    while True:
+        files = {role: launcher.pid_dir / f"{leader}.{role}" for role in ROLES}
+        if all(path.exists() for path in files.values()):
+            return {role: int(path.read_text()) for role, path in files.items()}
+        assert time.monotonic() < deadline, f"fake instance {leader} did not start its tree"
+        time.sleep(0.05)
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE  # a zombie is dead
+    except psutil.NoSuchProcess:
+        return False
+
+
+def tagged_pids(tags: set[str]) -> list[int]:
+    """Running processes whose environment carries one of the tags."""
+    pids = []
+    for proc in psutil.process_iter(["environ"], ad_value=None):
+        if (proc.info["environ"] or {}).get(TAG_ENV) in tags and alive(proc.pid):
+            pids.append(proc.pid)
+    return pids
+
+
+def restart_without_cleanup(launcher: Launcher) -> dict[str, int]:
+    """SIGKILL the instance's API server and start it again the way the launcher used to,
+    leaving the old engine, worker and escaper running; returns the old tree's pids."""
+    old = tree_pids(launcher)
+    child = instance(launcher)
+    os.kill(old["leader"], signal.SIGKILL)
+    child.process.wait()
+    child.start()
+    launcher._write_state()
+    return old
+
+
+# -- the supervisor ---------------------------------------------------------------
+def test_restart_kills_the_dead_api_servers_engine_processes_first(tree_launcher):
+    launcher = tree_launcher
+    old = tree_pids(launcher)
+    # The escaper left the group and the tree, the worker the tag: each is found one way.
+    assert os.getpgid(old["escaper"]) != old["leader"] == os.getpgid(old["worker"])
+    assert psutil.Process(old["escaper"]).ppid() != old["engine"]
+    assert tagged_pids({instance(launcher).tag}) and old["worker"] not in tagged_pids(
+        {instance(launcher).tag})
+    os.kill(old["leader"], signal.SIGKILL)  # the API server alone, as an OOM kill would
+    instance(launcher).process.wait()
+    # The bug as reported: the engine processes outlive their API server.
+    assert all(alive(old[role]) for role in ("engine", "worker", "escaper"))
+
+    started = time.monotonic()
+    events = launcher.supervise_once()
+    took = time.monotonic() - started
+
+    assert events == ["epd0 exited with code -9; killed 3 leftover processes; restarting (1/3)"]
+    assert not [role for role, pid in old.items() if alive(pid)]
+    assert took < 6, f"supervision blocked {took:.1f}s killing leftovers"
+    new = tree_pids(launcher)  # the replacement runs its own tree, untouched by the sweep
+    assert new["leader"] != old["leader"] and all(alive(pid) for pid in new.values())
+    launcher.wait_healthy()
+
+
+def test_a_death_without_leftovers_restarts_with_the_plain_message(tree_launcher):
+    launcher = tree_launcher
+    proxy = next(c for c in launcher.children if c.name == "proxy")
+    proxy.process.kill()
+    proxy.process.wait()
+    assert launcher.supervise_once() == ["proxy exited with code -9; restarting (1/3)"]
+
+
+# -- stopping -----------------------------------------------------------------------
+def test_stop_leaves_no_process_carrying_a_tag_from_any_incarnation(tree_launcher):
+    launcher = tree_launcher
+    earlier = restart_without_cleanup(launcher)
+    current = tree_pids(launcher)
+    tags = {c.tag for c in launcher.children}
+    assert len(tags) == 2 and {earlier["engine"], earlier["escaper"]} <= set(tagged_pids(tags))
+
+    launcher.stop()
+
+    assert tagged_pids(tags) == []
+    left = {f"{role} {pid}" for tree in (earlier, current) for role, pid in tree.items()
+            if alive(pid)}
+    assert not left
+    assert not launcher.state_path.exists()
+
+
+def test_down_from_the_state_file_alone_kills_every_incarnation(tree_launcher, tmp_path):
+    launcher = tree_launcher
+    earlier = restart_without_cleanup(launcher)
+    current = tree_pids(launcher)
+    state = json.loads(launcher.state_path.read_text())
+    # The earlier group is recorded nowhere; only the tag in the state file leads to it.
+    assert earlier["leader"] not in state["children"].values()
+    tags = set(state["process_tags"].values())
+    assert tags == {c.tag for c in launcher.children}
+
+    # `epd-serve down` runs in another process; a stand-in plays the launcher it signals.
+    stand_in = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    state["launcher_pid"] = stand_in.pid
+    launcher.state_path.write_text(json.dumps(state))
+    down = subprocess.run(
+        [sys.executable, "-c", "import sys; from pathlib import Path; "
+         "from epd_serve.launcher import stop_from_state; "
+         "print(sorted(stop_from_state(Path(sys.argv[1]), grace_s=3)))",
+         str(launcher.state_path)],
+        capture_output=True, text=True, cwd=REPO, timeout=60)
+
+    assert down.returncode == 0, down.stderr
+    assert down.stdout.strip() == "['epd0', 'proxy']"
+    assert stand_in.wait(timeout=5) == -signal.SIGTERM
+    assert tagged_pids(tags) == []
+    left = {f"{role} {pid}" for tree in (earlier, current) for role, pid in tree.items()
+            if alive(pid)}
+    assert not left
+    assert not launcher.state_path.exists()
+
+
+def _unrelated_group() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                            start_new_session=True)
+
+
+def test_down_spares_a_recorded_group_that_no_longer_carries_the_tag(tmp_path):
+    # The recorded pid was reused by something else after the deployment went away.
+    stranger = _unrelated_group()
+    try:
+        state = tmp_path / "state.json"
+        state.write_text(json.dumps({"children": {"d0": stranger.pid},
+                                     "process_tags": {"d0": "gone/d0/0123456789ab"}}))
+        assert stop_from_state(state, grace_s=1) == ["d0"]
+        time.sleep(0.2)
+        assert stranger.poll() is None
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+def test_down_still_stops_the_groups_of_a_state_file_without_tags(tmp_path):
+    # A state file written before tags existed: its recorded groups are trusted as before.
+    old_style = _unrelated_group()
+    try:
+        state = tmp_path / "state.json"
+        state.write_text(json.dumps({"children": {"d0": old_style.pid}}))
+        assert stop_from_state(state, grace_s=1) == ["d0"]
+        assert old_style.wait(timeout=5) == -signal.SIGTERM
+    finally:
+        old_style.kill()
+        old_style.wait()
