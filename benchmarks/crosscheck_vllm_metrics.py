@@ -15,10 +15,9 @@ import argparse
 import httpx
 import numpy as np
 
-from epd_serve import config
+from epd_serve import deploy
 from epd_serve.bench.metrics import SLO
 from epd_serve.bench.runner import Bodies, LoadSpec, run_once
-from epd_serve.cli import bring_up
 from epd_serve.instance_metrics import parse_prometheus
 
 PAIRS = [  # (our number, vLLM histogram)
@@ -46,10 +45,10 @@ def main() -> None:
                         help="load the engine itself instead of the proxy in front of it")
     args = parser.parse_args()
 
-    cfg, root = config.load(args.config)
-    dep = config.resolve(cfg, root)
+    dep = deploy.load(args.config)
+    cfg = dep.config
     engine = dep.launches[-1]  # the instance that produces the tokens
-    launcher = bring_up(dep)
+    launcher = deploy.bring_up(dep)
     try:
         spec = LoadSpec(url=engine.url if args.direct else dep.proxy_url, model=engine.served_model_name,
                         workload=args.workload, num_requests=args.num_requests,

@@ -17,8 +17,7 @@ from collections import defaultdict
 
 import httpx
 
-from epd_serve import config
-from epd_serve.cli import bring_up
+from epd_serve import deploy
 from epd_serve.payloads import chat_body, image_data_url, make_image
 
 STAGE_RE = re.compile(r"(\w+)=(\w+):([\d.]+)ms")
@@ -31,10 +30,10 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     args = parser.parse_args()
 
-    cfg, root = config.load(args.config)
-    dep = config.resolve(cfg, root)
+    dep = deploy.load(args.config)
+    cfg = dep.config
     start = time.monotonic()
-    launcher = bring_up(dep)  # as `epd-serve up`: healthy, then one warm-up of each kind
+    launcher = deploy.bring_up(dep)  # as `epd-serve up`: healthy, then one warm-up of each kind
     ready = time.monotonic() - start
     model = dep.launches[0].served_model_name
     try:

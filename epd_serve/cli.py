@@ -47,46 +47,10 @@ def cmd_model(args) -> int:
     return 0
 
 
-def _resolved(path: str):
-    from epd_serve import config
-
-    cfg, root = config.load(path)
-    return config.resolve(cfg, root)
-
-
-def ensure_model(dep) -> None:
-    """Build the tiny model where the deployment file asks for one and none exists."""
-    from epd_serve.tinymodel import build_tiny_model, is_model_dir
-
-    if dep.config.tiny_model and not is_model_dir(dep.model_dir):
-        print(f"building tiny {dep.config.tiny_model} model in {dep.model_dir} ...", file=sys.stderr)
-        build_tiny_model(dep.config.tiny_model, dep.model_dir)
-
-
-def bring_up(dep, warmup: bool = True):
-    """Start a deployment with live progress; returns the running Launcher."""
-    from epd_serve.launcher import Launcher
-    from epd_serve.progress import StartupProgress, warm_up
-
-    ensure_model(dep)
-    launcher = Launcher(dep)
-    launcher.start()
-    try:
-        with StartupProgress(dep) as progress:
-            elapsed = launcher.wait_healthy(progress.update)
-        print(f"deployment {dep.config.name} ({dep.plan.to_notation()}) healthy after "
-              f"{elapsed:.1f}s: {dep.proxy_url}", file=sys.stderr)
-        if warmup:
-            warm_up(dep)
-    except BaseException:
-        launcher.stop()
-        raise
-    return launcher
-
-
 def cmd_up(args) -> int:
-    dep = _resolved(args.config)
-    launcher = bring_up(dep, warmup=not args.no_warmup)
+    from epd_serve import deploy
+
+    launcher = deploy.bring_up(deploy.load(args.config), warmup=not args.no_warmup)
 
     def _terminate(signum, frame):
         raise KeyboardInterrupt
@@ -104,9 +68,10 @@ def cmd_up(args) -> int:
 
 
 def cmd_down(args) -> int:
+    from epd_serve import deploy
     from epd_serve.launcher import stop_from_state
 
-    dep = _resolved(args.config)
+    dep = deploy.load(args.config)
     stopped = stop_from_state(dep.work_dir / "state.json")
     if not stopped:
         print(f"nothing running for {dep.config.name} (no {dep.work_dir / 'state.json'})")
@@ -116,10 +81,11 @@ def cmd_down(args) -> int:
 
 
 def cmd_launch(args) -> int:
+    from epd_serve import deploy
     from epd_serve.hal import get_platform
     from epd_serve.shell import emit_shell
 
-    dep = _resolved(args.config)
+    dep = deploy.load(args.config)
     platform = get_platform(dep.config.platform)
     if args.emit_shell:
         script = emit_shell(dep, platform)

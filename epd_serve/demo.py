@@ -78,14 +78,12 @@ def show_requests(dep, console: Console) -> None:
 
 
 def run_demo(config_path: str, load_requests: int, out_dir: str) -> int:
-    from epd_serve import config
-    from epd_serve.cli import bring_up
+    from epd_serve import deploy
 
     console = Console()
-    cfg, root = config.load(config_path)
-    dep = config.resolve(cfg, root)
+    dep = deploy.load(config_path)
     started = time.monotonic()
-    launcher = bring_up(dep)
+    launcher = deploy.bring_up(dep)
     console.print(f"[bold]{dep.config.name}[/] up and warmed in {time.monotonic() - started:.1f}s")
     try:
         show_requests(dep, console)

@@ -15,7 +15,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
-
 from epd_serve.proxy.state import InstanceState, InstanceTable
 
 

@@ -10,7 +10,13 @@ import dataclasses
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
 
 from epd_serve.bench import arrivals, client, workloads
 from epd_serve.bench.metrics import SLO, RequestRecord, summarize
@@ -138,22 +144,20 @@ def compare_deployments(config_paths: list[str], spec: LoadSpec, rates: list[flo
                         console: Console | None = None) -> Path:
     """Bring each deployment up with the launcher, run the same workload, tear it down;
     write one report for all of them."""
-    from epd_serve import config as config_mod
+    from epd_serve import deploy
     from epd_serve.bench.report import write_report
-    from epd_serve.cli import bring_up
 
     console = console or Console(stderr=True)
     results: list[RunResult] = []
     goodputs: dict[str, float | None] = {}
     for path in config_paths:
-        cfg, root = config_mod.load(path)
-        dep = config_mod.resolve(cfg, root)
-        label = f"{cfg.name} ({dep.plan.to_notation()})"
+        dep = deploy.load(path)
+        label = f"{dep.config.name} ({dep.plan.to_notation()})"
         run_spec = dataclasses.replace(
             spec, url=dep.proxy_url, model=dep.launches[0].served_model_name,
             num_devices=dep.plan.num_devices)
         console.rule(label)
-        launcher = bring_up(dep)
+        launcher = deploy.bring_up(dep)
         try:
             bodies = Bodies(run_spec, console)
             results += sweep(run_spec, rates, label, console, bodies)

@@ -11,7 +11,6 @@ import uuid
 from collections.abc import AsyncIterator
 
 import httpx
-
 from epd_serve.proxy.handoff.base import Handoff
 from epd_serve.proxy.state import InstanceState
 from epd_serve.proxy.upstream import ProxyError, Trip, single_token, upstream_error

@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from epd_serve import config
-from epd_serve.cli import bring_up
+from epd_serve import deploy
 from epd_serve.tinymodel import build_tiny_model
 
 from ..ports import free_port_block
@@ -49,22 +48,23 @@ class Deployments:
     def __init__(self, model: Path, work_root: Path):
         self.model = model
         self.work_root = work_root
-        self.current: tuple[str, object, object] | None = None  # (config file, dep, launcher)
+        self.current: tuple | None = None  # ((config file, overrides), dep, launcher)
 
-    def get(self, config_file: str):
-        if self.current and self.current[0] == config_file:
+    def get(self, config_file: str, **overrides):
+        """The deployment of configs/cpu/<config_file> (with `overrides`), started if it
+        is not the one running."""
+        key = (config_file, tuple(sorted(overrides.items())))
+        if self.current and self.current[0] == key:
             return self.current[1]
         self.stop()
-        cfg, _ = config.load(REPO / "configs" / "cpu" / config_file)
         base = free_port_block(40, start=23000)
-        cfg = cfg.model_copy(update={
+        name = config_file.removesuffix(".yaml")
+        dep = deploy.load(REPO / "configs" / "cpu" / config_file, **{
             "model": str(self.model), "tiny_model": None,
             "proxy_port": base, "base_port": base + 10, "kv_base_port": base + 30,
-            "work_dir": str(self.work_root / cfg.name),
-        })
-        dep = config.resolve(cfg, REPO)
-        launcher = bring_up(dep)
-        self.current = (config_file, dep, launcher)
+            "work_dir": str(self.work_root / name), **overrides})
+        launcher = deploy.bring_up(dep)
+        self.current = (key, dep, launcher)
         return dep
 
     def stop(self) -> None:

@@ -17,8 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from epd_serve.connectors.epd_kv import messages as msg
-from epd_serve.connectors.epd_kv.metadata import StepPlan, TransferReport
+from epd_serve.connectors.epd_kv.metadata import StepPlan
 from epd_serve.connectors.epd_kv.scheduler import EPDKVScheduler
 from epd_serve.connectors.epd_kv.settings import Settings
 from epd_serve.connectors.epd_kv.stats import EPDKVPromMetrics, EPDKVStats

@@ -31,6 +31,39 @@ class LinkModel:
         return self.overhead_s + nbytes / self.bytes_per_s
 
 
+class LinkEstimator:
+    """The link's cost as the writes of real transfers see it: a least-squares fit of
+    seconds against bytes over the last `window` completed writes. It starts from the
+    start-up calibration, taken on an idle engine; under load (compute threads and
+    other engines on the same cores) the per-write overhead is often ten times that."""
+
+    def __init__(self, prior: LinkModel, window: int = 32, min_samples: int = 8):
+        self.model = prior
+        self.window = window
+        self.min_samples = min_samples
+        self._samples: list[tuple[int, float]] = []
+
+    def observe(self, nbytes: int, seconds: float) -> None:
+        self._samples = [*self._samples[-(self.window - 1):], (nbytes, seconds)]
+        if len(self._samples) < self.min_samples:
+            return
+        n = len(self._samples)
+        mean_x = sum(x for x, _ in self._samples) / n
+        mean_y = sum(y for _, y in self._samples) / n
+        var_x = sum((x - mean_x) ** 2 for x, _ in self._samples)
+        if var_x > 0:
+            slope = sum((x - mean_x) * (y - mean_y) for x, y in self._samples) / var_x
+            intercept = mean_y - slope * mean_x
+            if slope > 0 and intercept >= 0:
+                self.model = LinkModel(overhead_s=intercept, bytes_per_s=1 / slope)
+                return
+        # All writes the same size (or a fit that makes no sense): keep the overhead,
+        # take the bandwidth from what is left of the time.
+        rest = sum(y for _, y in self._samples) - n * self.model.overhead_s
+        if rest > 0:
+            self.model = LinkModel(self.model.overhead_s, sum(x for x, _ in self._samples) / rest)
+
+
 class ComputeModel:
     """Seconds one layer takes per token in the step, learned from the gaps between
     consecutive per-layer save hooks (an exponentially weighted mean)."""

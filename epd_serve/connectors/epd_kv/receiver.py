@@ -45,7 +45,6 @@ class Incoming:
     reason: str = ""
     waiting_release_since: float | None = None  # writes may still land until Released
     stats: msg.TransferStats | None = None
-    done_at: float = 0.0  # wall clock when prefill's Done arrived
     resolved: bool = False  # reported to vLLM (or about to be)
 
 
@@ -128,10 +127,10 @@ class Receiver:
                           transfer_ms=round(s.busy_s * 1e3, 3),
                           exposed_ms=round(s.exposed_s * 1e3, 3),
                           prefill_ms=round(s.prefill_s * 1e3, 3),
-                          # wall clocks of two processes: exact on one host, as good
-                          # as their clock sync across hosts
-                          ready_after_prefill_ms=round((incoming.done_at - s.forward_end) * 1e3, 3),
-                          collected_after_prefill_ms=round((time.time() - s.forward_end) * 1e3, 3))
+                          # From the end of prefill's forward pass until this engine
+                          # learns the KV is here (wall clocks of two processes: exact
+                          # on one host, as good as their clock sync across hosts).
+                          handoff_ms=round((time.time() - s.forward_end) * 1e3, 3))
         return report
 
     # -- the side-channel thread --------------------------------------------
@@ -156,7 +155,7 @@ class Receiver:
             elif isinstance(message, msg.Landed):
                 incoming.landed_groups += 1
             elif isinstance(message, msg.Done):
-                incoming.stats, incoming.done_at = message.stats, time.time()
+                incoming.stats = message.stats
                 self._conclude(incoming, "done")
             elif isinstance(message, msg.Failed):
                 self._conclude(incoming, "failed", message.reason,

@@ -28,8 +28,19 @@ from typing import TYPE_CHECKING, Any
 
 from epd_serve.connectors.epd_kv import messages as msg
 from epd_serve.connectors.epd_kv.channel import Channel
-from epd_serve.connectors.epd_kv.grouping import ComputeModel, LinkModel, choose_group_size, plan_groups
-from epd_serve.connectors.epd_kv.layout import LayerLayout, block_runs, check_compatible, segments
+from epd_serve.connectors.epd_kv.grouping import (
+    ComputeModel,
+    LinkEstimator,
+    LinkModel,
+    choose_group_size,
+    plan_groups,
+)
+from epd_serve.connectors.epd_kv.layout import (
+    LayerLayout,
+    block_runs,
+    check_compatible,
+    segments,
+)
 from epd_serve.connectors.epd_kv.settings import Settings
 from epd_serve.connectors.epd_kv.transfer import Link, TransferError
 
@@ -128,7 +139,7 @@ class Sender:
         self.num_layers = len(layouts)
         self.block_size = block_size
         self.settings = settings
-        self.link_model = link_model
+        self.link_cost = LinkEstimator(link_model)
         self.compute = ComputeModel()
         self.stats = stats
         self.incarnation = f"{engine_id}:{rank}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
@@ -226,14 +237,14 @@ class Sender:
         tokens = sum(c.end - c.start for c in self._chunks if
                      self._transfers[c.transfer_id].mode == mode)
         layer_bytes = -(-tokens // self.block_size) * self.layouts[0].block_bytes
-        size = choose_group_size(self.num_layers, layer_bytes, self.link_model,
-                                 self.compute.layer_s(self._step_tokens),
+        link = self.link_cost.model
+        compute = self.compute.layer_s(self._step_tokens)
+        size = choose_group_size(self.num_layers, layer_bytes, link, compute,
                                  self.settings.max_overhead_share)
         if size != self._logged_group_size:
-            compute = self.compute.layer_s(self._step_tokens)
             logger.info("epd-kv group size %d for %d tokens (%d KB per layer; link %.3f ms + "
-                        "%.2f GB/s; layer compute %s)", size, tokens, layer_bytes // 1024,
-                        self.link_model.overhead_s * 1e3, self.link_model.bytes_per_s / 1e9,
+                        "%.2f GB/s per write; layer compute %s)", size, tokens,
+                        layer_bytes // 1024, link.overhead_s * 1e3, link.bytes_per_s / 1e9,
                         f"{compute * 1e3:.2f} ms" if compute else "not measured yet")
             self._logged_group_size = size
         return size
@@ -308,7 +319,7 @@ class Sender:
             return
         with self._lock:
             pending = nbytes + sum(f.nbytes for f in self._in_flight.values())
-            timeout = self.settings.transfer_timeout_s(self.link_model.transfer_s(pending))
+            timeout = self.settings.transfer_timeout_s(self.link_cost.model.transfer_s(pending))
             try:
                 batch = self.link.submit(res.te_session, srcs, dsts, lens)
             except TransferError as err:
@@ -345,6 +356,7 @@ class Sender:
                     self._fail(out, f"write of layers {flight.first_layer}-{flight.last_layer} "
                                     f"failed: {error}")
                 elif out.outcome is None:
+                    self.link_cost.observe(flight.nbytes, done - flight.submitted)
                     out.nbytes += flight.nbytes
                     out.groups += 1
                     out.intervals.append((flight.submitted, done))

@@ -12,9 +12,8 @@ import logging
 
 import numpy as np
 
-from epd_serve.connectors.epd_kv import messages as msg
-from epd_serve.connectors.epd_kv.metadata import StepPlan, TransferReport
 from epd_serve.connectors.epd_kv.layout import describe_layer, storage_spans
+from epd_serve.connectors.epd_kv.metadata import StepPlan, TransferReport
 from epd_serve.connectors.epd_kv.receiver import Receiver
 from epd_serve.connectors.epd_kv.sender import Sender
 from epd_serve.connectors.epd_kv.settings import Settings

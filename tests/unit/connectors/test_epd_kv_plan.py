@@ -7,6 +7,7 @@ import pytest
 
 from epd_serve.connectors.epd_kv.grouping import (
     ComputeModel,
+    LinkEstimator,
     LinkModel,
     choose_group_size,
     plan_groups,
@@ -75,6 +76,24 @@ def test_compute_model_learns_per_token_layer_time():
     model.observe(0.010, 1000)
     model.observe(0.020, 1000)
     assert model.layer_s(2000) == pytest.approx(0.030)
+
+
+def test_link_estimator_learns_the_cost_writes_really_have():
+    loaded = LinkModel(overhead_s=2e-3, bytes_per_s=0.5e9)  # a busy host
+    estimator = LinkEstimator(LINK, window=16)
+    for i in range(7):
+        estimator.observe((i + 1) << 20, loaded.transfer_s((i + 1) << 20))
+    assert estimator.model == LINK  # too few writes to trust yet
+    for i in range(16):
+        estimator.observe((i % 8 + 1) << 20, loaded.transfer_s((i % 8 + 1) << 20))
+    assert estimator.model.overhead_s == pytest.approx(2e-3)
+    assert estimator.model.bytes_per_s == pytest.approx(0.5e9)
+    # Same-size writes cannot separate overhead from bandwidth: keep the overhead.
+    same = LinkEstimator(loaded, min_samples=2)
+    for _ in range(4):
+        same.observe(1 << 20, 2e-3 + (1 << 20) / 0.25e9)
+    assert same.model.overhead_s == 2e-3
+    assert same.model.bytes_per_s == pytest.approx(0.25e9)
 
 
 def test_block_runs_merge_blocks_consecutive_on_both_sides():

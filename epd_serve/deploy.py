@@ -1,0 +1,59 @@
+"""Load a deployment file and bring it up: the one path the CLI, the demo, the load
+tool, the benchmarks and the end-to-end tests share.
+
+Runs in the caller's process. `load` gives a ResolvedDeployment (overrides replace keys
+of the file, validated like the file itself); `bring_up` builds the tiny model where
+the file asks for one, starts every process, shows start-up progress, waits until all
+are healthy and warms the deployment up.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from epd_serve import config
+from epd_serve.launcher import Launcher
+
+
+def load(path: str | Path, **overrides: Any) -> config.ResolvedDeployment:
+    cfg, root = config.load(path)
+    if overrides:
+        try:
+            cfg = config.Deployment.model_validate({**cfg.model_dump(), **overrides})
+        except ValidationError as err:
+            raise config.ConfigError(f"{path} with {sorted(overrides)}: "
+                                     f"{err.errors()[0]['msg']}") from None
+    return config.resolve(cfg, root)
+
+
+def ensure_model(dep: config.ResolvedDeployment) -> None:
+    """Build the tiny model where the deployment file asks for one and none exists."""
+    from epd_serve.tinymodel import build_tiny_model, is_model_dir
+
+    if dep.config.tiny_model and not is_model_dir(dep.model_dir):
+        print(f"building tiny {dep.config.tiny_model} model in {dep.model_dir} ...", file=sys.stderr)
+        build_tiny_model(dep.config.tiny_model, dep.model_dir)
+
+
+def bring_up(dep: config.ResolvedDeployment, warmup: bool = True) -> Launcher:
+    """Start a deployment with live progress; returns the running Launcher."""
+    from epd_serve.progress import StartupProgress, warm_up
+
+    ensure_model(dep)
+    launcher = Launcher(dep)
+    launcher.start()
+    try:
+        with StartupProgress(dep) as progress:
+            elapsed = launcher.wait_healthy(progress.update)
+        print(f"deployment {dep.config.name} ({dep.plan.to_notation()}) healthy after "
+              f"{elapsed:.1f}s: {dep.proxy_url}", file=sys.stderr)
+        if warmup:
+            warm_up(dep)
+    except BaseException:
+        launcher.stop()
+        raise
+    return launcher
