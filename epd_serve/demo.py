@@ -34,12 +34,13 @@ def describe(delta: Counters) -> str:
     return ", ".join(parts) or "-"
 
 
-def traced_request(client: httpx.Client, dep, body: dict) -> tuple[httpx.Response, float, dict]:
+def traced_request(client: httpx.Client, dep, body: dict, path: str = "/v1/chat/completions",
+                   ) -> tuple[httpx.Response, float, dict]:
     """Send one request through the proxy; return it, its latency and per-instance deltas."""
     logs = {launch.name: dep.work_dir / "logs" / f"{launch.name}.log" for launch in dep.launches}
     before = {l.name: snapshot(l.url, logs[l.name], client) for l in dep.launches}
     start = time.perf_counter()
-    resp = client.post(dep.proxy_url + "/v1/chat/completions", json=body)
+    resp = client.post(dep.proxy_url + path, json=body)
     latency = (time.perf_counter() - start) * 1e3
     time.sleep(0.3)  # counters are published by the engine a moment after the reply
     after = {l.name: snapshot(l.url, logs[l.name], client) for l in dep.launches}

@@ -27,6 +27,8 @@ class Counters:
     requests: float = 0.0
     ec_saved: int = 0  # encoder features this instance produced for others
     ec_loaded: int = 0  # encoder features it took from another instance
+    kv_transfers: float = 0.0  # KV hand-offs our connector finished (sent or received)
+    kv_failures: float = 0.0  # ... that failed (a decode instance then recomputed)
 
     def __sub__(self, other: "Counters") -> "Counters":
         return Counters(**{
@@ -72,4 +74,6 @@ def snapshot(url: str, log_path: Path | None = None, client: httpx.Client | None
         requests=values.get("vllm:request_success_total", 0.0),
         ec_saved=saved,
         ec_loaded=loaded,
+        kv_transfers=values.get("epd_kv_transfers_total", 0.0),
+        kv_failures=values.get("epd_kv_failures_total", 0.0),
     )

@@ -21,11 +21,13 @@ from epd_serve.proxy.state import InstanceState, InstanceTable
 class ProxyError(Exception):
     """An error with the HTTP status the client gets; nothing else escapes a route."""
 
-    def __init__(self, status: int, message: str, kind: str = "proxy_error"):
+    def __init__(self, status: int, message: str, kind: str = "proxy_error",
+                 unreachable: bool = False):
         super().__init__(message)
         self.status = status
         self.message = message
         self.kind = kind
+        self.unreachable = unreachable  # no instance could be reached (none answered)
 
     def to_body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "code": self.status}}
@@ -153,7 +155,8 @@ class Upstream:
                 inst.in_flight -= 1
                 raise
             return inst, resp, start
-        raise ProxyError(502, f"every {stage} instance failed; last error: {last}", "upstream_error")
+        raise ProxyError(502, f"every {stage} instance failed; last error: {last}",
+                         "upstream_error", unreachable=True)
 
     async def _send_with_reconnect(self, inst: InstanceState, path: str, body: dict,
                                    request_id: str) -> httpx.Response:

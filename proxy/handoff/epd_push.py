@@ -6,7 +6,9 @@ each layer group into them while it computes. Prefill runs the same request with
 `do_remote_decode`. The answer is decode's; it is released to the client once prefill
 has succeeded. If prefill fails, decode's request is closed (the engine aborts it and
 frees its blocks) and the pair is retried on the next prefill instance; a 4xx from
-prefill is the client's error and is returned as is.
+prefill is the client's error and is returned as is. When the last prefill instance
+cannot be reached at all (it died), decode's request is kept: decode notices the dead
+peer and computes the prompt itself, so the request is slower but not lost.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ class EPDPush(Handoff):
         last: ProxyError | None = None
         steering = {k: v for k, v in (body.get("kv_transfer_params") or {}).items()
                     if k in PASSTHROUGH_KEYS}
-        for p_inst in prefill:
+        for index, p_inst in enumerate(prefill):
             host, _, port = (p_inst.entry.kv_endpoint or "").rpartition(":")
             if not host:
                 raise ProxyError(500, f"prefill instance {p_inst.name} has no KV side channel")
@@ -67,6 +69,8 @@ class EPDPush(Handoff):
             try:
                 await self.upstream.post("P", path, prefill_body, trip, [p_inst])
             except ProxyError as err:
+                if err.unreachable and index == len(prefill) - 1:
+                    return await decoding
                 await _cancel(decoding, discard)
                 if err.status < 500:
                     raise

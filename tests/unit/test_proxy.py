@@ -124,6 +124,16 @@ def test_epd_handoff_retries_a_failed_prefill_with_a_fresh_decode_request(stream
             failed["body"]["kv_transfer_params"]["transfer_id"]
 
 
+def test_epd_handoff_keeps_decode_when_the_only_prefill_dies_under_the_request():
+    # p0 counts as healthy (the poller has not noticed yet) but refuses connections:
+    # decode already has the request and will compute the prompt itself.
+    with deployment(["P", "D"]) as (client, apps):
+        client.app.state.table.instances[0].entry.url = "http://127.0.0.1:9"
+        resp = client.post("/v1/chat/completions", json=chat_body("fake", "x", max_tokens=3))
+        assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 3
+        assert len(seen(apps["d1"])) == 1
+
+
 def test_epd_handoff_returns_a_prefill_client_error_as_is():
     with deployment(["P", "D"], failing={"p0": 400}) as (client, _):
         resp = client.post("/v1/chat/completions", json=chat_body("fake", "x"))

@@ -87,8 +87,12 @@ class Receiver:
             return
         now = time.monotonic()
         with self._lock:
+            peer = self._peers.setdefault(address, Peer())
+            if not any(i.address == address and not i.resolved for i in self._incoming.values()):
+                # Nothing was pending with it, so nothing was pinged: its silence so far
+                # says nothing about whether it is alive.
+                peer.last_heard = now
             self._incoming[plan.transfer_id] = Incoming(plan, address, now)
-            self._peers.setdefault(address, Peer(last_heard=now))
         self.channel.post(address, msg.encode(msg.Reserve(
             transfer_id=plan.transfer_id, decode_engine=self.engine_id,
             decode_rank=self.rank, te_session=self.te_session, block_ids=plan.block_ids,

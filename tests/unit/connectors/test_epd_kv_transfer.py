@@ -175,6 +175,17 @@ def test_every_layer_group_lands_in_decodes_reserved_blocks(make_pair):
     assert wait_for(pair.sender.take_finished) == {"p-req"}
 
 
+def test_a_quiet_spell_between_transfers_is_not_taken_for_a_dead_prefill(make_pair):
+    pair = make_pair(peer_timeout_s=0.5)
+    for n, transfer in enumerate(("t1", "t2")):
+        if n:
+            time.sleep(1.0)  # longer than peer_timeout_s with nothing pending
+        pair.receiver.reserve(recv_plan(pair, transfer=transfer))
+        time.sleep(0.1)
+        prefill(pair, transfer=transfer)
+        assert results(pair)["reports"]["d-req"]["outcome"] == "done"
+
+
 def test_a_late_reservation_gets_what_prefill_computed_meanwhile(make_pair):
     pair = make_pair()
     prefill(pair, blocks=(5, 7, 8))  # computed before decode has allocated anything
