@@ -6,10 +6,10 @@ Runs in a prefill engine's worker process, on four threads:
   (after each attention layer wrote its KV) and `forward_done` (after the pass); it
   only queues jobs and never waits on the network;
 - the submit thread waits until a job's layers are written on the device (an event on
-  CUDA/NPU; CPU kernels are done when they return), then starts an asynchronous batch
-  write per job, or parks the job until decode's reservation has arrived;
-- the completion thread waits for each batch, tells decode what landed, and finally
-  sends `Done` with the transfer's numbers;
+  CUDA/NPU; CPU kernels are done when they return), then starts an asynchronous write
+  per job, or parks the job until decode's reservation has arrived;
+- the completion thread polls the writes in flight (sleeping between looks, never
+  spinning), tells decode what landed, and finally sends `Done` with the numbers;
 - the side-channel thread handles decode's messages and, every tick, the timeouts:
   a write must finish within a time sized to the bytes in flight.
 Blocks stay pinned (vLLM's delayed free) until no write of the request is in flight.
@@ -42,7 +42,7 @@ from epd_serve.connectors.epd_kv.layout import (
     segments,
 )
 from epd_serve.connectors.epd_kv.settings import Settings
-from epd_serve.connectors.epd_kv.transfer import Link, TransferError
+from epd_serve.connectors.epd_kv.transfer import POLL_S, Link, TransferError, Write
 
 if TYPE_CHECKING:  # vLLM classes; this module itself stays importable without vLLM
     from epd_serve.connectors.epd_kv.metadata import StepPlan
@@ -100,7 +100,7 @@ class Outgoing:
 @dataclasses.dataclass
 class InFlight:
     transfer_id: str
-    batch: int
+    write: Write
     nbytes: int
     first_layer: int
     last_layer: int
@@ -145,10 +145,10 @@ class Sender:
         self.incarnation = f"{engine_id}:{rank}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._lock = threading.Lock()
         self._transfers: dict[str, Outgoing] = {}
-        self._in_flight: dict[int, InFlight] = {}
+        self._in_flight: dict[int, InFlight] = {}  # by id(write)
         self._finished_sending: set[str] = set()
         self._jobs: queue.Queue[Job | None] = queue.Queue()
-        self._batches: queue.Queue[InFlight | None] = queue.Queue()
+        self._writes: queue.Queue[InFlight | None] = queue.Queue()
         self.channel = Channel("prefill", self._on_message, self._on_tick)
         # Per-step state, touched only by the model's thread.
         self._chunks: list[msg.SendChunk] = []
@@ -165,7 +165,7 @@ class Sender:
 
     def close(self) -> None:
         self._jobs.put(None)
-        self._batches.put(None)
+        self._writes.put(None)
         self.channel.close()
 
     # -- the model's thread -------------------------------------------------
@@ -321,48 +321,67 @@ class Sender:
             pending = nbytes + sum(f.nbytes for f in self._in_flight.values())
             timeout = self.settings.transfer_timeout_s(self.link_cost.model.transfer_s(pending))
             try:
-                batch = self.link.submit(res.te_session, srcs, dsts, lens)
+                write = self.link.submit(res.te_session, srcs, dsts, lens)
             except TransferError as err:
                 self._fail(out, str(err))
                 self._settle(out)
                 return
             out.in_flight += 1
-            flight = InFlight(out.transfer_id, batch, nbytes, job.first_layer, job.last_layer,
+            flight = InFlight(out.transfer_id, write, nbytes, job.first_layer, job.last_layer,
                               now, now + timeout)
-            self._in_flight[batch] = flight
-        self._batches.put(flight)
+            self._in_flight[id(write)] = flight
+        self._writes.put(flight)
 
     # -- the completion thread ----------------------------------------------
     def _complete_loop(self) -> None:
-        while (flight := self._batches.get()) is not None:
+        pending: list[InFlight] = []
+        while True:
+            arrivals: list[InFlight | None] = []
+            try:  # block only when nothing is in flight
+                arrivals.append(self._writes.get(block=not pending))
+                while True:
+                    arrivals.append(self._writes.get_nowait())
+            except queue.Empty:
+                pass
+            if None in arrivals:
+                return
+            pending += arrivals
+            pending = [flight for flight in pending if not self._landed(flight)]
+            if pending:
+                time.sleep(POLL_S)
+
+    def _landed(self, flight: InFlight) -> bool:
+        """Look at one write in flight; True once it has ended (landed or failed)."""
+        now = time.perf_counter()
+        with self._lock:
+            out = self._transfers.get(flight.transfer_id)
+        if out is not None and out.fault == "stall" and out.groups == 0 \
+                and now < flight.deadline + 0.5:
+            return False  # a write that hangs past its deadline, then lands
+        try:
+            if not self.link.done(flight.write):
+                return False
             error = None
-            with self._lock:
-                out = self._transfers.get(flight.transfer_id)
-                stall = out is not None and out.fault == "stall" and out.groups == 0
-            if stall:  # a write that hangs past its deadline, then lands
-                time.sleep(max(0.0, flight.deadline - time.perf_counter()) + 0.5)
-            try:
-                self.link.wait(flight.batch)
-            except TransferError as err:
-                error = str(err)
-            done = time.perf_counter()
-            with self._lock:
-                self._in_flight.pop(flight.batch, None)
-                out = self._transfers.get(flight.transfer_id)
-                if out is None:
-                    continue
-                out.in_flight -= 1
-                if error is not None:
-                    self._fail(out, f"write of layers {flight.first_layer}-{flight.last_layer} "
-                                    f"failed: {error}")
-                elif out.outcome is None:
-                    self.link_cost.observe(flight.nbytes, done - flight.submitted)
-                    out.nbytes += flight.nbytes
-                    out.groups += 1
-                    out.intervals.append((flight.submitted, done))
-                    self._post(out, msg.Landed(out.transfer_id, flight.first_layer,
-                                               flight.last_layer, flight.nbytes))
-                self._settle(out)
+        except TransferError as err:
+            error = str(err)
+        with self._lock:
+            self._in_flight.pop(id(flight.write), None)
+            out = self._transfers.get(flight.transfer_id)
+            if out is None:
+                return True
+            out.in_flight -= 1
+            if error is not None:
+                self._fail(out, f"write of layers {flight.first_layer}-{flight.last_layer} "
+                                f"failed: {error}")
+            elif out.outcome is None:
+                self.link_cost.observe(flight.nbytes, now - flight.submitted)
+                out.nbytes += flight.nbytes
+                out.groups += 1
+                out.intervals.append((flight.submitted, now))
+                self._post(out, msg.Landed(out.transfer_id, flight.first_layer,
+                                           flight.last_layer, flight.nbytes))
+            self._settle(out)
+        return True
 
     # -- the side-channel thread --------------------------------------------
     def _on_message(self, peer: str, payload: bytes) -> None:

@@ -3,26 +3,41 @@
 Runs in engine worker processes. `mooncake.engine` is imported when a `Link` is made,
 not at import time. The engine listens on every interface whatever it is asked (run
 tests in a loopback-only namespace); its session id is `host:rpc_port`.
+
+Every segment is its own transfer, polled without blocking: the engine's batch status
+call busy-waits on a core until the batch is done (and gives up only after its 30 s
+default timeout), which on a small host steals the very CPU the prefill computes with.
+Separate segments also travel in parallel.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import statistics
 import time
-from collections.abc import Sequence
 
 from epd_serve.connectors.epd_kv.grouping import LinkModel
 
 logger = logging.getLogger("vllm.epd_serve.kv.transfer")
+
+POLL_S = 0.0002  # between looks at pending writes while waiting for one
 
 
 class TransferError(RuntimeError):
     """A write the transfer engine could not complete."""
 
 
+@dataclasses.dataclass
+class Write:
+    """A write in flight: one engine transfer per segment, checked in order."""
+
+    ids: list[int]
+    checked: int = 0  # segments before this one have completed
+
+
 class Link:
-    """One transfer engine: registered memory and batch writes to peers' memory."""
+    """One transfer engine: registered memory and writes to peers' memory."""
 
     def __init__(self, host: str, protocol: str = "tcp", device_name: str = ""):
         from mooncake.engine import TransferEngine
@@ -34,32 +49,57 @@ class Link:
         self.protocol = protocol
         self.session_id = f"{host}:{self.engine.get_rpc_port()}"
 
-    def register(self, spans: Sequence[tuple[int, int]]) -> None:
+    def register(self, spans: list[tuple[int, int]]) -> None:
         if not spans:
             return
         addrs, sizes = zip(*spans)
         if self.engine.batch_register_memory(list(addrs), list(sizes)) != 0:
             raise TransferError(f"registering {len(spans)} KV cache allocation(s) failed")
 
-    def submit(self, peer: str, srcs: list[int], dsts: list[int], lens: list[int]) -> int:
-        """Start writing local `srcs` to the peer's `dsts`; returns a batch id."""
-        batch = self.engine.batch_transfer_async_write(peer, srcs, dsts, lens)
-        if batch <= 0:
-            raise TransferError(f"write of {len(lens)} segment(s) to {peer} was not accepted")
-        return batch
+    def submit(self, peer: str, srcs: list[int], dsts: list[int], lens: list[int]) -> Write:
+        """Start writing local `srcs` to the peer's `dsts`."""
+        write = Write([])
+        for src, dst, length in zip(srcs, dsts, lens):
+            transfer = self.engine.transfer_submit_write(peer, src, dst, length)
+            if transfer <= 0:
+                self._drain(write)  # what was submitted may still read our memory
+                raise TransferError(f"write of {len(lens)} segment(s) to {peer} was not "
+                                    f"accepted (segment {len(write.ids)})")
+            write.ids.append(transfer)
+        return write
 
-    def wait(self, batch: int) -> None:
-        """Block until a submitted batch has landed (raises if it failed)."""
-        status = self.engine.get_batch_transfer_status([batch])
-        if status != 0:
-            raise TransferError(f"write batch failed with status {status}")
+    def done(self, write: Write) -> bool:
+        """Whether every segment has landed; raises if one failed."""
+        while write.checked < len(write.ids):
+            status = self.engine.transfer_check_status(write.ids[write.checked])
+            if status == 0:
+                return False
+            if status < 0:
+                write.checked += 1
+                self._drain(write)
+                raise TransferError("write failed" if status == -1 else "write timed out "
+                                    "in the transfer engine")
+            write.checked += 1
+        return True
+
+    def _drain(self, write: Write) -> None:
+        """Wait for the rest of a failed write's segments (they may still be reading
+        our memory), ignoring how they end."""
+        for transfer in write.ids[write.checked:]:
+            while self.engine.transfer_check_status(transfer) == 0:
+                time.sleep(POLL_S)
+        write.checked = len(write.ids)
+
+    def wait(self, write: Write) -> None:
+        while not self.done(write):
+            time.sleep(POLL_S)
 
     def write(self, peer: str, srcs: list[int], dsts: list[int], lens: list[int]) -> None:
         self.wait(self.submit(peer, srcs, dsts, lens))
 
     def calibrate(self, scratch_addr: int, scratch_bytes: int, repeats: int = 5) -> LinkModel:
         """Time writes from the first half of a registered scratch area into its second
-        half through this engine's own session: the per-batch overhead from small
+        half through this engine's own session: the per-write overhead from small
         writes, the bandwidth from large ones."""
         half = scratch_bytes // 2
         small, large = 4096, min(half, 4 << 20)

@@ -35,23 +35,21 @@ class FakeLink:
     def __init__(self):
         self.fail = False
         self.hold: threading.Event | None = None
-        self.batches: dict[int, bool] = {}
         self.segments = 0
 
     def submit(self, peer, srcs, dsts, lens):
-        batch = len(self.batches) + 1
         if not self.fail:
             for src, dst, n in zip(srcs, dsts, lens):
                 ctypes.memmove(dst, src, n)
         self.segments += len(lens)
-        self.batches[batch] = not self.fail
-        return batch
+        return types.SimpleNamespace(ok=not self.fail)
 
-    def wait(self, batch):
-        if self.hold is not None:
-            self.hold.wait(10)
-        if not self.batches[batch]:
-            raise TransferError("write batch failed with status -1")
+    def done(self, write):
+        if self.hold is not None and not self.hold.is_set():
+            return False
+        if not write.ok:
+            raise TransferError("write failed")
+        return True
 
 
 class Stats:
