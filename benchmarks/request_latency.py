@@ -28,9 +28,12 @@ def main() -> None:
     parser.add_argument("--config", default="configs/cpu/e-p-d.yaml")
     parser.add_argument("--requests", type=int, default=10, help="per kind")
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--kv-connector", choices=["epd", "mooncake"],
+                        help="override the deployment's KV connector (P -> D hand-off)")
     args = parser.parse_args()
 
-    dep = deploy.load(args.config)
+    dep = deploy.load(args.config, **({"kv_connector": args.kv_connector}
+                                       if args.kv_connector else {}))
     cfg = dep.config
     start = time.monotonic()
     launcher = deploy.bring_up(dep)  # as `epd-serve up`: healthy, then one warm-up of each kind
@@ -55,7 +58,8 @@ def main() -> None:
                     rows[kind][stage].append(float(ms))
     finally:
         launcher.stop()
-    print(f"{cfg.name} ({dep.plan.to_notation()}): healthy and warmed up after {ready:.1f}s; "
+    print(f"{cfg.name} ({dep.plan.to_notation()}, KV {dep.launches[0].kv_protocol}): healthy and "
+          f"warmed up after {ready:.1f}s; "
           f"first request after that {first_ms:.0f} ms")
     for kind, stages in rows.items():
         parts = ", ".join(f"{k} {statistics.median(v):.0f}" for k, v in stages.items())

@@ -29,6 +29,7 @@ def create_fake_app(name: str = "fake", ttft_ms: float = 0.0, itl_ms: float = 0.
     app = FastAPI()
     app.state.requests = []
     app.state.fail_status = fail_status
+    app.state.break_streams = False  # cut streamed answers off after the headers (a crash)
 
     @app.get("/health")
     async def health():
@@ -78,6 +79,8 @@ def create_fake_app(name: str = "fake", ttft_ms: float = 0.0, itl_ms: float = 0.
 
         if body.get("stream"):
             async def events():
+                if app.state.break_streams:
+                    raise RuntimeError(f"{name} breaks its stream on purpose")
                 await asyncio.sleep(ttft_ms / 1e3)
                 for i in range(n):
                     if i:

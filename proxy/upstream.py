@@ -70,7 +70,7 @@ def single_token(body: dict, **overrides: Any) -> dict:
     """The request as an encode or prefill stage runs it: one token, not streamed."""
     out = {k: v for k, v in body.items()
            if k not in ("max_completion_tokens", "stream_options", "min_tokens")}
-    out.update(max_tokens=1, stream=False, **overrides)
+    out.update({"max_tokens": 1, "stream": False, **overrides})
     return out
 
 
@@ -127,14 +127,15 @@ class Upstream:
     async def open_stream(self, stage: str, path: str, body: dict, trip: Trip,
                           order: list[InstanceState] | None = None) -> "Stream":
         """Start `body` as a stream; errors before its first byte raise ProxyError."""
-        inst, resp, _ = await self._send(stage, path, body, trip, order)
+        inst, resp, start = await self._send(stage, path, body, trip, order)
         if resp.status_code >= 400:
             text = (await resp.aread()).decode(errors="replace")
             inst.in_flight -= 1
             await resp.aclose()
             raise upstream_error(inst, resp.status_code, text)
-        trip.stages.append(StageRecord(stage, inst.name))
-        return Stream(inst, resp)
+        record = StageRecord(stage, inst.name)
+        trip.stages.append(record)
+        return Stream(inst, resp, record, start)
 
     async def _send(self, stage: str, path: str, body: dict, trip: Trip,
                     order: list[InstanceState] | None) -> tuple[InstanceState, httpx.Response, float]:
@@ -179,7 +180,29 @@ class Stream:
 
     inst: InstanceState
     response: httpx.Response
+    record: StageRecord
+    started: float
     _released: bool = False
+
+    async def finish(self) -> None:
+        """Read the rest of the stream here (not relayed); raises ProxyError if the
+        instance reported an error inside it."""
+        try:
+            text = (await self.response.aread()).decode(errors="replace")
+        except httpx.TransportError as err:
+            self.inst.failures += 1
+            raise ProxyError(502, f"instance {self.inst.name} broke off its answer: {err}",
+                             "upstream_error", unreachable=True) from None
+        finally:
+            self._release()
+            await self.response.aclose()
+        for line in text.splitlines():
+            if line.startswith("data: {") and '"error"' in line:
+                error = json.loads(line[6:]).get("error")
+                if error:
+                    raise upstream_error(self.inst, int(error.get("code") or 500), json.dumps(error))
+        self.inst.served += 1
+        self.record.ms = (time.perf_counter() - self.started) * 1e3
 
     async def close(self) -> None:
         await self.response.aclose()

@@ -1,10 +1,13 @@
 """Our connector (epd_serve/connectors/epd_kv): decode and prefill start together.
 
-Decode gets the request with `do_remote_prefill` and the prefill instance's side
-channel; it allocates blocks and reserves them with that prefill worker, which writes
-each layer group into them while it computes. Prefill runs the same request with
-`do_remote_decode`. The answer is decode's; it is released to the client once prefill
-has succeeded. If prefill fails, decode's request is closed (the engine aborts it and
+Prefill runs the request with `do_remote_decode`, streamed: its answer's headers say it
+has parsed the request and handed it to its engine. Then decode gets the request with
+`do_remote_prefill` and the prefill instance's side channel; it allocates blocks and
+reserves them with that prefill worker, which writes each layer group into them as it
+computes (groups computed before the reservation leave at once when it arrives). So
+decode's own parsing overlaps prefill's compute, not prefill's parsing, which on a
+small host competes for the same cores. The answer is decode's; it is released to the
+client once prefill has succeeded. If prefill fails, decode's request is closed (the engine aborts it and
 frees its blocks) and the pair is retried on the next prefill instance; a 4xx from
 prefill is the client's error and is returned as is. When the last prefill instance
 cannot be reached at all (it died), decode's request is kept: decode notices the dead
@@ -61,14 +64,21 @@ class EPDPush(Handoff):
             decode_body["kv_transfer_params"] = {
                 "do_remote_prefill": True, "do_remote_decode": False,
                 "transfer_id": transfer_id, "remote_host": host, "remote_port": int(port)}
-            prefill_body = single_token(body, kv_transfer_params={
+            prefill_body = single_token(body, stream=True, kv_transfer_params={
                 "do_remote_decode": True, "do_remote_prefill": False,
                 "transfer_id": transfer_id, **steering})
-            # Decode first, so it can reserve blocks while prefill computes.
-            decoding = asyncio.create_task(decode(decode_body))
+            decoding = None
             try:
-                await self.upstream.post("P", path, prefill_body, trip, [p_inst])
+                prefilling = await self.upstream.open_stream("P", path, prefill_body, trip,
+                                                             [p_inst])
+                decoding = asyncio.create_task(decode(decode_body))
+                await prefilling.finish()
             except ProxyError as err:
+                if decoding is None:  # prefill never took it: nothing started on decode
+                    if err.status < 500:
+                        raise
+                    last = err
+                    continue
                 if err.unreachable and index == len(prefill) - 1:
                     return await decoding
                 await _cancel(decoding, discard)
@@ -77,7 +87,8 @@ class EPDPush(Handoff):
                 last = err
                 continue
             except BaseException:
-                await _cancel(decoding, discard)
+                if decoding is not None:
+                    await _cancel(decoding, discard)
                 raise
             return await decoding
         raise last or ProxyError(503, "no healthy instance runs stage P", "service_unavailable")

@@ -116,22 +116,32 @@ def test_epd_handoff_retries_a_failed_prefill_with_a_fresh_decode_request(stream
         assert resp.status_code == 200
         assert "P=p1:" in resp.headers["x-epd-stages"]
         (failed,), (served,) = seen(apps["p0"]), seen(apps["p1"])
-        decodes = seen(apps["d2"])
-        # Decode got one request per attempt, each tied to its prefill instance.
-        assert [d["body"]["kv_transfer_params"]["remote_port"] for d in decodes] == [30100, 30101]
-        assert decodes[1]["body"]["kv_transfer_params"]["transfer_id"] == \
+        # Decode is sent the request once prefill has taken it: only for p1.
+        (decode,) = seen(apps["d2"])
+        assert decode["body"]["kv_transfer_params"]["remote_port"] == 30101
+        assert decode["body"]["kv_transfer_params"]["transfer_id"] == \
             served["body"]["kv_transfer_params"]["transfer_id"] != \
             failed["body"]["kv_transfer_params"]["transfer_id"]
+        assert served["body"]["stream"] is True and served["body"]["max_tokens"] == 1
 
 
 def test_epd_handoff_keeps_decode_when_the_only_prefill_dies_under_the_request():
-    # p0 counts as healthy (the poller has not noticed yet) but refuses connections:
+    # p0 takes the request, then its answer breaks off, as when the instance dies:
     # decode already has the request and will compute the prompt itself.
     with deployment(["P", "D"]) as (client, apps):
-        client.app.state.table.instances[0].entry.url = "http://127.0.0.1:9"
+        apps["p0"].state.break_streams = True
         resp = client.post("/v1/chat/completions", json=chat_body("fake", "x", max_tokens=3))
         assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 3
         assert len(seen(apps["d1"])) == 1
+
+
+def test_epd_handoff_sends_decode_nothing_when_no_prefill_takes_the_request():
+    # p0 counts as healthy (the poller has not noticed yet) but refuses connections.
+    with deployment(["P", "D"]) as (client, apps):
+        client.app.state.table.instances[0].entry.url = "http://127.0.0.1:9"
+        resp = client.post("/v1/chat/completions", json=chat_body("fake", "x", max_tokens=3))
+        assert resp.status_code == 502 and "every P instance failed" in resp.json()["error"]["message"]
+        assert seen(apps["d1"]) == []
 
 
 def test_epd_handoff_returns_a_prefill_client_error_as_is():
@@ -243,7 +253,9 @@ def test_streaming_relays_every_chunk():
         contents = [json.loads(e[6:])["choices"] for e in events[:-1]]
         assert sum(1 for c in contents if c) == 6
         assert seen(apps["d2"])[0]["body"]["stream"] is True
-        assert seen(apps["p1"])[0]["body"]["stream"] is False
+        # Prefill answers one token, streamed only so the proxy knows when it took it.
+        prefill = seen(apps["p1"])[0]["body"]
+        assert prefill["max_tokens"] == 1 and "stream_options" not in prefill
 
 
 def test_unreachable_prefill_instance_fails_over_without_losing_the_request():
