@@ -1,22 +1,12 @@
 """Starts, watches and stops every process of a deployment: the instances and the proxy.
 
 Runs in the `epd-serve up` process (or a test fixture); `stop_from_state` runs in
-`epd-serve down`. Each child gets its own process group, and on Linux is told to die
-with the launcher (PR_SET_PDEATHSIG). Neither reaches far enough on its own: vLLM's API
-server forks an engine-core process that forks workers, and when the API server dies
-those are reparented to init, keep their ~2 GB, and the death signal (cleared on fork)
-never reaches them. So every child's environment also carries a tag,
-EPD_SERVE_PROCESS=<deployment>/<child>/<token>, which all its descendants inherit: a
-child's "tree" is its leader's process group plus every process carrying its tag, and
-that whole tree is killed when the leader dies (before the restart) and on stop. State
-(pids and tags) goes to <work_dir>/state.json so `epd-serve down` can do the same for a
-deployment started elsewhere.
-
-It must never signal a process it cannot tie to the deployment: a recorded process group
-counts only while one of its members still carries the child's tag, because a pid read
-from an old state file may since have been reused by something else.
+`epd-serve down`. Each child gets its own process group, is told to die with the
+launcher (PR_SET_PDEATHSIG) and carries a tag that all its descendants inherit; a dead
+child's whole tree is killed before it is restarted, and every tree on stop
+(epd_serve/proctree.py). State (pids and tags) goes to <work_dir>/state.json so
+`epd-serve down` can do the same for a deployment started elsewhere.
 """
-
 from __future__ import annotations
 
 import ctypes
@@ -30,16 +20,15 @@ import socket
 import subprocess
 import sys
 import time
-import typing
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
-import psutil
 
 from epd_serve.config import ConfigError, ResolvedDeployment
 from epd_serve.hal import InstanceLaunch, Platform, get_platform
 from epd_serve.kv_protocols import get_protocol
+from epd_serve.proctree import KILL_WAIT_S, TAG_ENV, ProcessTree, kill_trees, plural
 from epd_serve.proxy.state import InstanceEntry, ProxyConfig
 from epd_serve.tinymodel import is_model_dir
 
@@ -47,9 +36,6 @@ STOP_GRACE_S = 20.0
 # A dead child's leftovers are killed before its restart, so the supervisor waits only
 # briefly for them to exit on SIGTERM (vLLM's engine core does, within a second).
 LEFTOVER_GRACE_S = 2.0
-KILL_WAIT_S = 1.0  # for a SIGKILLed process to be gone
-KILL_ROUNDS = 3  # look again after each SIGKILL: something may have forked meanwhile
-TAG_ENV = "EPD_SERVE_PROCESS"
 
 
 class LaunchError(RuntimeError):
@@ -111,125 +97,6 @@ def proxy_config(dep: ResolvedDeployment) -> ProxyConfig:
         kv_protocol=dep.launches[0].kv_protocol,
         instances=instances,
     )
-
-
-# -- process trees ----------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class ProcessTree:
-    """What one child started: the process group its leader heads (start_new_session
-    makes pgid == leader pid) and every process carrying its tag. tag None means a state
-    file from before tags, whose recorded group is trusted as it always was."""
-
-    tag: str | None
-    pgid: int | None
-
-
-class Sweep(typing.NamedTuple):
-    killed: int  # processes of the trees that were running when the sweep began or later
-    survivors: list[int]  # pids still running after the last SIGKILL (stuck in the kernel)
-
-
-def _pgid(pid: int) -> int | None:
-    try:
-        return os.getpgid(pid)
-    except OSError:
-        return None
-
-
-def _is_gone(proc: psutil.Process) -> bool:
-    """Exited, or a zombie: a zombie holds no memory and only waits for its parent."""
-    try:
-        return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-    except psutil.AccessDenied:
-        return False
-
-
-def _tag_of(proc: psutil.Process) -> str | None:
-    # environ is None where it cannot be read: another user's process, or a zombie.
-    return (proc.info["environ"] or {}).get(TAG_ENV)
-
-
-def find_tree_processes(trees: list[ProcessTree],
-                        known: Iterable[psutil.Process] = ()) -> dict[int, psutil.Process]:
-    """Running processes of the trees (never this process), by pid: tagged ones, the
-    members of a group one of them is in, and the descendants of all those (in case one
-    dropped both the tag and the group). `known` are processes an earlier look found:
-    they stay in the tree after the tagged processes that tied them to it are gone."""
-    tags = {tree.tag for tree in trees if tree.tag}
-    group_tag = {tree.pgid: tree.tag for tree in trees if tree.pgid}
-    procs: dict[int, psutil.Process] = {}
-    tagged: set[int] = set()
-    group_members: dict[int, set[int]] = {}
-    children_of: dict[int, list[int]] = {}
-    for proc in psutil.process_iter(["environ", "ppid"], ad_value=None):
-        procs[proc.pid] = proc
-        children_of.setdefault(proc.info["ppid"], []).append(proc.pid)
-        if _tag_of(proc) in tags:
-            tagged.add(proc.pid)
-        pgid = _pgid(proc.pid)
-        if pgid in group_tag:
-            group_members.setdefault(pgid, set()).add(proc.pid)
-    known_pids = {proc.pid for proc in known if not _is_gone(proc)} & set(procs)
-    found = tagged | known_pids
-    for pgid, members in group_members.items():
-        tag = group_tag[pgid]
-        if tag is None or members & known_pids or any(_tag_of(procs[p]) == tag for p in members):
-            found |= members
-    stack = list(found)
-    while stack:
-        for child_pid in children_of.get(stack.pop(), []):
-            if child_pid not in found:
-                found.add(child_pid)
-                stack.append(child_pid)
-    found.discard(os.getpid())
-    return {pid: procs[pid] for pid in found if not _is_gone(procs[pid])}
-
-
-def _send(procs: Iterable[psutil.Process], sig: int) -> None:
-    for proc in procs:
-        try:
-            proc.send_signal(sig)  # psutil refuses if the pid was reused meanwhile
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
-
-
-def _wait_gone(procs: Iterable[psutil.Process], timeout: float) -> bool:
-    procs = list(procs)
-    deadline = time.monotonic() + timeout
-    while not all(_is_gone(p) for p in procs):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
-def kill_trees(trees: list[ProcessTree], grace_s: float) -> Sweep:
-    """SIGTERM every process of the trees, SIGKILL whatever is left after grace_s (or
-    appeared since), and look again until none is left or KILL_ROUNDS are spent."""
-    procs = find_tree_processes(trees)
-    if not procs:
-        return Sweep(0, [])
-    seen = dict(procs)
-    _send(procs.values(), signal.SIGTERM)
-    _wait_gone(procs.values(), grace_s)
-    for _ in range(KILL_ROUNDS):
-        # A worker that ignored SIGTERM and dropped the tag was tied to the tree only by
-        # the engine that has exited since: remember everything seen.
-        procs = find_tree_processes(trees, known=seen.values())
-        if not procs:
-            break
-        seen.update(procs)
-        _send(procs.values(), signal.SIGKILL)
-        _wait_gone(procs.values(), KILL_WAIT_S)
-    else:
-        procs = find_tree_processes(trees, known=seen.values())
-    return Sweep(len(seen), sorted(procs))
-
-
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}" if n == 1 else f"{n} {word}es"
 
 
 # -- children -----------------------------------------------------------------------
@@ -421,7 +288,7 @@ class Launcher:
         """Kill what a dead child left running; returns a note for its event line, empty
         when nothing was left."""
         sweep = kill_trees([child.tree()], LEFTOVER_GRACE_S)
-        note = f"killed {_plural(sweep.killed, 'leftover process')}; " if sweep.killed else ""
+        note = f"killed {plural(sweep.killed, 'leftover process')}; " if sweep.killed else ""
         if sweep.survivors:
             note += f"pids {sweep.survivors} survived SIGKILL; "
         return note

@@ -1,4 +1,4 @@
-"""Which layers travel together: the transfer modes and the group-size choice.
+"""Which layers travel together: the transfer modes and the group plan.
 
 Pure Python, no torch or vLLM: imported by the prefill worker's sender and by the unit
 tests. A prefill step computes layer after layer; the sender ships the KV of a group
@@ -6,15 +6,14 @@ of adjacent layers as soon as the group's last layer is written, so the transfer
 while later layers compute (paper 004, section 3.3):
 - `whole`: one group of every layer, sent after the forward pass (what vLLM does);
 - `layer`: every layer on its own;
-- `group`: groups of `g` layers, `g` chosen from a cost model of the link and of the
-  compute (below), the last layer on its own, since after it nothing is left to hide
-  a bigger group behind.
+- `group`: `fitted_groups` below, from a cost model of the link (learned from the
+  writes themselves) and of the per-layer compute; or groups of a fixed size.
+The last layer always travels alone: after it nothing is left to hide a bigger group.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 MODES = ("whole", "layer", "group")
 
@@ -87,22 +86,31 @@ class ComputeModel:
         return self.layer_s_per_token * num_tokens
 
 
-def choose_group_size(num_layers: int, layer_bytes: int, link: LinkModel,
-                      layer_compute_s: float | None, max_overhead_share: float = 0.1) -> int:
-    """Fewest layers per group such that (1) the per-batch overhead is at most
-    `max_overhead_share` of the batch's time on the link, and (2) a group's transfer
-    takes no longer than computing the group's layers, so transfers never queue up
-    behind the compute. Bounded to [1, num_layers - 1] (the last layer goes alone)."""
-    if num_layers <= 2 or layer_bytes <= 0:
-        return 1
-    layer_wire_s = layer_bytes / link.bytes_per_s
-    # (1) overhead / (overhead + g * wire) <= share
-    by_overhead = link.overhead_s * (1 - max_overhead_share) / (max_overhead_share * layer_wire_s)
-    size = by_overhead
-    # (2) overhead + g * wire <= g * compute, possible only when compute outlasts the wire
-    if layer_compute_s is not None and layer_compute_s > layer_wire_s:
-        size = max(size, link.overhead_s / (layer_compute_s - layer_wire_s))
-    return max(1, min(num_layers - 1, math.ceil(size - 1e-9)))
+def fitted_groups(num_layers: int, layer_bytes: int, link: LinkModel,
+                  layer_compute_s: float | None, slack: float = 0.5) -> list[tuple[int, int]]:
+    """The `group` plan, built from the last layer backwards: the last layer alone, and
+    each earlier group the largest whose write (overhead + bytes on the wire) fits in
+    `slack` of the compute of the group after it, which runs while the write is on the
+    link. So writes are few and large where the compute leaves room (less per-write
+    overhead, more bandwidth) and small near the end, and the last one lands about when
+    the forward pass ends. Compute time not measured yet: taken as equal to the wire
+    time, which gives one layer per write until it is."""
+    if num_layers <= 0:
+        return []
+    wire = layer_bytes / link.bytes_per_s
+    compute = layer_compute_s if layer_compute_s else wire
+    sizes = [1]
+    left = num_layers - 1
+    while left > 0:
+        room = slack * sizes[-1] * compute - link.overhead_s
+        fit = int(room / wire) if wire > 0 else left
+        sizes.append(min(left, max(1, fit)))
+        left -= sizes[-1]
+    groups, first = [], 0
+    for size in reversed(sizes):
+        groups.append((first, first + size - 1))
+        first += size
+    return groups
 
 
 def plan_groups(num_layers: int, mode: str, group_size: int = 1) -> list[tuple[int, int]]:

@@ -32,7 +32,7 @@ from epd_serve.connectors.epd_kv.grouping import (
     ComputeModel,
     LinkEstimator,
     LinkModel,
-    choose_group_size,
+    fitted_groups,
     plan_groups,
 )
 from epd_serve.connectors.epd_kv.layout import (
@@ -155,7 +155,7 @@ class Sender:
         self._step_tokens = 0
         self._groups: dict[str, list[tuple[int, int]]] = {}
         self._last_layer_at: float | None = None
-        self._logged_group_size: int | None = None
+        self._logged_plan: tuple[int, ...] = ()
 
     def start(self, port: int) -> None:
         self.channel.serve(self.settings.host, port)
@@ -226,28 +226,28 @@ class Sender:
     def _plan_step(self) -> None:
         modes = {self._transfers[c.transfer_id].mode for c in self._chunks}
         for mode in modes:
-            size = 1
-            if mode == "group":
-                size = self._group_size(mode)
-            self._groups[mode] = plan_groups(self.num_layers, mode, size)
+            if mode == "group" and self.settings.group_size == "auto":
+                self._groups[mode] = self._fitted_plan(mode)
+            else:
+                size = 1 if self.settings.group_size == "auto" else int(self.settings.group_size)
+                self._groups[mode] = plan_groups(self.num_layers, mode, size)
 
-    def _group_size(self, mode: str) -> int:
-        if self.settings.group_size != "auto":
-            return int(self.settings.group_size)
-        tokens = sum(c.end - c.start for c in self._chunks if
-                     self._transfers[c.transfer_id].mode == mode)
+    def _fitted_plan(self, mode: str) -> list[tuple[int, int]]:
+        tokens = sum(c.end - c.start for c in self._chunks
+                     if self._transfers[c.transfer_id].mode == mode)
         layer_bytes = -(-tokens // self.block_size) * self.layouts[0].block_bytes
         link = self.link_cost.model
         compute = self.compute.layer_s(self._step_tokens)
-        size = choose_group_size(self.num_layers, layer_bytes, link, compute,
-                                 self.settings.max_overhead_share)
-        if size != self._logged_group_size:
-            logger.info("epd-kv group size %d for %d tokens (%d KB per layer; link %.3f ms + "
-                        "%.2f GB/s per write; layer compute %s)", size, tokens,
-                        layer_bytes // 1024, link.overhead_s * 1e3, link.bytes_per_s / 1e9,
-                        f"{compute * 1e3:.2f} ms" if compute else "not measured yet")
-            self._logged_group_size = size
-        return size
+        groups = fitted_groups(self.num_layers, layer_bytes, link, compute)
+        sizes = tuple(last - first + 1 for first, last in groups)
+        if sizes != self._logged_plan:  # the first plan at INFO, changes at DEBUG
+            log = logger.debug if self._logged_plan else logger.info
+            log("epd-kv layer groups %s for %d tokens (%d KB per layer; link %.3f ms + "
+                "%.2f GB/s per write; layer compute %s)", list(sizes), tokens,
+                layer_bytes // 1024, link.overhead_s * 1e3, link.bytes_per_s / 1e9,
+                f"{compute * 1e3:.2f} ms" if compute else "not measured yet")
+            self._logged_plan = sizes
+        return groups
 
     def _queue(self, mode: str, first: int, last: int, event) -> None:
         for chunk in self._chunks:

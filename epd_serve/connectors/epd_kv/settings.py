@@ -19,7 +19,6 @@ class Settings:
     device_name: str = ""  # RDMA device(s) for the transfer engine ("" = auto)
     mode: str = "group"  # whole | layer | group
     group_size: int | str = "auto"  # layers per group, or chosen from calibration
-    max_overhead_share: float = 0.1  # per-batch overhead allowed in a group's link time
     ack_timeout_s: float = 5.0  # decode: the prefill worker must acknowledge a reservation
     heartbeat_s: float = 1.0  # decode: ping prefill workers with pending transfers
     peer_timeout_s: float = 10.0  # decode: prefill silent this long is taken for dead

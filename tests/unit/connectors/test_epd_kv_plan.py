@@ -9,7 +9,7 @@ from epd_serve.connectors.epd_kv.grouping import (
     ComputeModel,
     LinkEstimator,
     LinkModel,
-    choose_group_size,
+    fitted_groups,
     plan_groups,
 )
 from epd_serve.connectors.epd_kv.layout import (
@@ -45,37 +45,29 @@ def test_unknown_mode_is_refused():
 LINK = LinkModel(overhead_s=100e-6, bytes_per_s=2e9)  # what tcp on loopback measures
 
 
-def test_group_size_keeps_overhead_a_small_share_of_link_time():
-    # 256 KiB per layer is 0.13 ms on the wire: 0.1 ms overhead needs 7 layers per write.
-    small = choose_group_size(28, 256 << 10, LINK, layer_compute_s=None)
-    assert small == 7
-    assert LINK.overhead_s / LINK.transfer_s(small * (256 << 10)) <= 0.1
-    assert LINK.overhead_s / LINK.transfer_s((small - 1) * (256 << 10)) > 0.1
-    # 4 MiB per layer is 2 ms on the wire: overhead is already small, one layer per write.
-    assert choose_group_size(28, 4 << 20, LINK, layer_compute_s=None) == 1
-    # Never more than all layers but the last.
-    assert choose_group_size(28, 1 << 10, LINK, layer_compute_s=None) == 27
+def sizes(groups):
+    return [last - first + 1 for first, last in groups]
 
 
-def test_group_size_grows_until_transfers_keep_up_with_compute():
-    # 1 MiB per layer (0.524 ms on the wire) computed in 0.55 ms: a write must cover
-    # enough layers for its 0.1 ms overhead to fit in 0.026 ms of slack per layer.
-    size = choose_group_size(28, 1 << 20, LINK, layer_compute_s=0.55e-3)
-    wire = (1 << 20) / LINK.bytes_per_s
-    assert LINK.overhead_s + size * wire <= size * 0.55e-3
-    assert LINK.overhead_s + (size - 1) * wire > (size - 1) * 0.55e-3  # and no more
-    assert size == 4
-    # Compute far slower than the wire: the overhead rule alone decides (one layer
-    # alone would spend 16% of its write on overhead).
-    assert choose_group_size(28, 1 << 20, LINK, layer_compute_s=1.0) == 2
+def test_fitted_groups_shrink_towards_the_end_and_hide_every_write():
+    # 1 MiB per layer is 0.52 ms on the wire; a layer computes in 10 ms.
+    groups = fitted_groups(28, 1 << 20, LINK, layer_compute_s=10e-3)
+    assert groups[-1] == (27, 27)
+    assert [layer for f, l in groups for layer in range(f, l + 1)] == list(range(28))
+    assert sizes(groups) == [18, 9, 1]  # 9 layers fit in half a layer's compute, ...
+    # Every write lands within half the compute of the group after it.
+    for (f, l), (nf, nl) in zip(groups, groups[1:]):
+        assert LINK.transfer_s((l - f + 1) << 20) <= 0.5 * (nl - nf + 1) * 10e-3
 
 
-def test_compute_model_learns_per_token_layer_time():
-    model = ComputeModel(smoothing=0.5)
-    assert model.layer_s(1000) is None
-    model.observe(0.010, 1000)
-    model.observe(0.020, 1000)
-    assert model.layer_s(2000) == pytest.approx(0.030)
+def test_fitted_groups_fall_back_to_one_layer_per_write():
+    # Compute not measured yet: assumed no faster than the wire.
+    assert sizes(fitted_groups(6, 1 << 20, LINK, layer_compute_s=None)) == [1] * 6
+    # Compute faster than the wire: nothing can hide, so nothing waits either.
+    assert sizes(fitted_groups(6, 1 << 20, LINK, layer_compute_s=1e-5)) == [1] * 6
+    # Nothing to send (decode had the prompt cached): one write.
+    assert sizes(fitted_groups(6, 0, LINK, layer_compute_s=1e-3)) == [5, 1]
+    assert fitted_groups(0, 1, LINK, None) == []
 
 
 def test_link_estimator_learns_the_cost_writes_really_have():
