@@ -6,7 +6,8 @@ image requests, and prints what each KV transfer took: for our connector the tim
 link spent on it and the hand-off after prefill (decode's own report), for vLLM's
 MooncakeConnector decode's pull (from its timing log). The line to read:
 
-  soak: requests=N ok=N transfers=N max_transfer_ms=X over_1s=N failed_transfers=N
+  soak: requests=N ok=N transfers=N max_transfer_ms=X over_1s=N max_handoff_ms=X
+        handoff_over_1s=N failed_transfers=N
 
     scripts/in-netns.sh .venv/bin/python benchmarks/kv_soak.py [--requests 500 --rate 1]
 """
@@ -78,6 +79,26 @@ def vllm_transfer_times(dep, results: list[dict]) -> None:
                             "outcome": "done" if match[1] else "failed"}
 
 
+def summarise(name: str, results: list[dict], out: Path) -> bool:
+    """Print the run's numbers; True when every request succeeded."""
+    kv = [r["kv"] for r in results if r["kv"]]
+    transfer = [k["transfer_ms"] for k in kv if "transfer_ms" in k]
+    handoff = [k["handoff_ms"] for k in kv if "handoff_ms" in k]
+    latency = [r["latency_s"] for r in results if r["ok"]]
+    print(f"{name}: latency p50 {statistics.median(latency) * 1e3:.0f} ms, "
+          f"max {max(latency) * 1e3:.0f} ms; transfer p50 {statistics.median(transfer):.2f} ms, "
+          f"hand-off after prefill p50 {statistics.median(handoff):.2f} ms; details in {out}")
+    # The transfer: the KV in flight, first write to last landing. The hand-off adds
+    # the wait for decode to reserve its blocks (its own parsing of the request).
+    print(f"soak: requests={len(results)} ok={len(latency)} transfers={len(kv)} "
+          f"max_transfer_ms={max(transfer, default=0):.1f} "
+          f"over_1s={sum(1 for t in transfer if t > 1000)} "
+          f"max_handoff_ms={max(handoff, default=0):.1f} "
+          f"handoff_over_1s={sum(1 for t in handoff if t > 1000)} "
+          f"failed_transfers={sum(1 for k in kv if k.get('outcome') != 'done')}")
+    return len(latency) == len(results)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -86,7 +107,13 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--kv-connector", default="epd", choices=["epd", "mooncake"])
     parser.add_argument("--out", default="results/kv_soak")
+    parser.add_argument("--summarise", metavar="JSON",
+                        help="print the numbers of a saved run instead of running one")
     args = parser.parse_args()
+    out = REPO / args.out
+    if args.summarise:
+        return 0 if summarise(Path(args.summarise).stem, json.loads(Path(args.summarise).read_text()),
+                              out) else 1
 
     dep = deploy.load(REPO / "configs/cpu/e-p-d.yaml", kv_connector=args.kv_connector,
                       work_dir=str(REPO / ".epd" / f"kv-soak-{args.kv_connector}"))
@@ -98,25 +125,9 @@ def main() -> int:
             vllm_transfer_times(dep, results)
     finally:
         launcher.stop()
-
-    out = REPO / args.out
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.kv_connector}.json").write_text(json.dumps(results, indent=1))
-    kv = [r["kv"] for r in results if r["kv"]]
-    transfer = [k["transfer_ms"] for k in kv if "transfer_ms" in k]
-    handoff = [k["handoff_ms"] for k in kv if "handoff_ms" in k]
-    latency = [r["latency_s"] for r in results if r["ok"]]
-    # A transfer's time: the longer of the link's time on it and the hand-off after prefill.
-    per_transfer = [max(k.get("transfer_ms", 0.0), k.get("handoff_ms", 0.0)) for k in kv]
-    worst = max(per_transfer, default=0.0)
-    print(f"{args.kv_connector}: latency p50 {statistics.median(latency) * 1e3:.0f} ms, "
-          f"max {max(latency) * 1e3:.0f} ms; transfer p50 {statistics.median(transfer):.2f} ms, "
-          f"hand-off p50 {statistics.median(handoff):.2f} ms, max {max(handoff, default=0):.1f} ms; "
-          f"details in {out}")
-    print(f"soak: requests={len(results)} ok={len(latency)} transfers={len(kv)} "
-          f"max_transfer_ms={worst:.1f} over_1s={sum(1 for t in per_transfer if t > 1000)} "
-          f"failed_transfers={sum(1 for k in kv if k.get('outcome') != 'done')}")
-    return 0 if len(latency) == len(results) else 1
+    return 0 if summarise(args.kv_connector, results, out) else 1
 
 
 if __name__ == "__main__":

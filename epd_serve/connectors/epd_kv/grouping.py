@@ -88,28 +88,26 @@ class ComputeModel:
 
 def fitted_groups(num_layers: int, layer_bytes: int, link: LinkModel,
                   layer_compute_s: float | None, slack: float = 0.5) -> list[tuple[int, int]]:
-    """The `group` plan, built from the last layer backwards: the last layer alone, and
-    each earlier group the largest whose write (overhead + bytes on the wire) fits in
-    `slack` of the compute of the group after it, which runs while the write is on the
-    link. So writes are few and large where the compute leaves room (less per-write
-    overhead, more bandwidth) and small near the end, and the last one lands about when
-    the forward pass ends. Compute time not measured yet: taken as equal to the wire
-    time, which gives one layer per write until it is."""
+    """The `group` plan, built from the last layer backwards. The last layer travels
+    alone. Each earlier group is the largest whose write, together with the writes of
+    every later group but the last, fits in `slack` of the compute still to come after
+    the group's last layer: the link drains before the forward pass ends. So writes are
+    few and large early, where much compute is left to hide them (less per-write
+    overhead, more bandwidth), and small near the end. Compute time not measured yet:
+    taken as equal to the wire time, which gives one layer per write until it is."""
     if num_layers <= 0:
         return []
     wire = layer_bytes / link.bytes_per_s
     compute = layer_compute_s if layer_compute_s else wire
-    sizes = [1]
-    left = num_layers - 1
-    while left > 0:
-        room = slack * sizes[-1] * compute - link.overhead_s
-        fit = int(room / wire) if wire > 0 else left
-        sizes.append(min(left, max(1, fit)))
-        left -= sizes[-1]
-    groups, first = [], 0
-    for size in reversed(sizes):
-        groups.append((first, first + size - 1))
-        first += size
+    groups = [(num_layers - 1, num_layers - 1)]
+    committed = 0.0  # link time of the later groups (the last layer's write comes after)
+    end = num_layers - 2
+    while end >= 0:
+        room = slack * (num_layers - 1 - end) * compute - committed - link.overhead_s
+        size = min(end + 1, max(1, int(room / wire) if wire > 0 else end + 1))
+        groups.insert(0, (end - size + 1, end))
+        committed += link.transfer_s(size * layer_bytes)
+        end -= size
     return groups
 
 
