@@ -247,9 +247,9 @@ def plot(table: dict, raw: dict, lengths: list[int], out: Path) -> None:
         ax.set_title(title)
         ax.set_xticks(x + 0.4 - width / 2, [f"{n} tok" for n in lengths])
     axes[0].set_yscale("log")
-    axes[2].legend(fontsize=8)
+    fig.legend(*axes[2].get_legend_handles_labels(), loc="lower center", ncol=5, fontsize=8)
     fig.suptitle("P -> D KV hand-off, 28-layer tiny Qwen2-VL, 1P1D on 2 CPU cores")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(out, dpi=110)
 
 
