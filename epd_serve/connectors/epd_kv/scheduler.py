@@ -40,6 +40,7 @@ class EPDKVScheduler:
         self._finished_sends: list[msg.FinishedSend] = []
         self._unreleased: set[str] = set()  # finished, blocks pinned until the workers say
         self._recvs: list[msg.RecvPlan] = []
+        self._receiving: set[str] = set()  # decode requests whose transfer is reserved
         self._reports: dict[str, dict[str, Any]] = {}
 
     # -- decode ---------------------------------------------------------------
@@ -70,6 +71,7 @@ class EPDKVScheduler:
         # The allocated blocks past this engine's own prefix-cache hit (still unhashed
         # while the load is pending) receive the prompt's KV.
         block_ids = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
+        self._receiving.add(request.request_id)
         self._recvs.append(msg.RecvPlan(
             request_id=request.request_id, transfer_id=params["transfer_id"],
             prefill_host=params["remote_host"], prefill_port=int(params["remote_port"]),
@@ -105,7 +107,9 @@ class EPDKVScheduler:
             self._unreleased.discard(request_id)
         report = connector_output.kv_connector_worker_meta
         if isinstance(report, TransferReport):
-            self._reports.update(report.by_request)
+            # Reports of requests already finished (aborted) have nobody to go to.
+            self._reports.update({r: stats for r, stats in report.by_request.items()
+                                  if r in self._receiving})
 
     def has_pending_push_work(self) -> bool:
         # Keep the engine stepping (and so polling its workers) while blocks of
@@ -128,5 +132,6 @@ class EPDKVScheduler:
             self._recvs.append(msg.RecvPlan(
                 request.request_id, params["transfer_id"], params["remote_host"],
                 int(params["remote_port"]), [], 0, 0))
+        self._receiving.discard(request.request_id)
         report = self._reports.pop(request.request_id, None)
         return False, ({REPORT_KEY: report} if report else None)
