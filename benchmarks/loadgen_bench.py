@@ -19,9 +19,9 @@ import time
 import httpx
 from aiohttp import web
 
-from epd_serve.bench.arrivals import fixed
 from epd_serve.bench.client import run, run_schedule
 from epd_serve.bench.metrics import SLO, summarize
+from epd_serve.bench.arrivals import fixed
 
 LAG_LIMIT_MS = 1.0
 

@@ -6,6 +6,7 @@ import argparse
 import logging
 
 import uvicorn
+
 from epd_serve.proxy.app import create_app
 from epd_serve.proxy.state import ProxyConfig
 

@@ -13,11 +13,12 @@ import logging
 import time
 
 import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
 from epd_serve.proxy.pipeline import Pipeline
 from epd_serve.proxy.state import InstanceTable, ProxyConfig
 from epd_serve.proxy.upstream import ProxyError
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
 
 logger = logging.getLogger("epd_serve.proxy")
 

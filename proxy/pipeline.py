@@ -12,6 +12,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 import httpx
+
 from epd_serve.proxy.handoff import make_handoff
 from epd_serve.proxy.state import InstanceState, InstanceTable, ProxyConfig
 from epd_serve.proxy.upstream import (

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+
 from epd_serve.proxy.state import InstanceState, InstanceTable
 
 

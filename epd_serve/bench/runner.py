@@ -10,13 +10,7 @@ import dataclasses
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-)
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from epd_serve.bench import arrivals, client, workloads
 from epd_serve.bench.metrics import SLO, RequestRecord, summarize

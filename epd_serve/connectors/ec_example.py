@@ -8,9 +8,7 @@ in each instance's log.
 
 from __future__ import annotations
 
-from vllm.distributed.ec_transfer.ec_connector.example_connector import (
-    ECExampleConnector,
-)
+from vllm.distributed.ec_transfer.ec_connector.example_connector import ECExampleConnector
 from vllm.logger import init_logger
 
 # vLLM configures handlers for the "vllm" logger tree only.

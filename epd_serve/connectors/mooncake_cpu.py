@@ -21,9 +21,7 @@ import time
 from unittest import mock
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import (
-    mooncake_connector as _mooncake,
-)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import mooncake_connector as _mooncake
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
 

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from epd_serve.backends.cpu.platform import CpuPlatform
 
 from epd_serve import config
+from epd_serve.backends.cpu.platform import CpuPlatform
 from epd_serve.hal import python_module_launcher
-from epd_serve.launcher import Launcher, LaunchError, stop_from_state
+from epd_serve.launcher import LaunchError, Launcher, stop_from_state
 from epd_serve.payloads import chat_body
 from epd_serve.shell import emit_shell
 

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import psutil
 import pytest
-from epd_serve.backends.cpu.platform import CpuPlatform
 
 from epd_serve import config
 from epd_serve import launcher as launcher_mod
+from epd_serve.backends.cpu.platform import CpuPlatform
 from epd_serve.launcher import TAG_ENV, Launcher, stop_from_state
 
 from ..ports import free_port_block

@@ -9,11 +9,11 @@ import time
 
 import httpx
 import pytest
-from epd_serve.proxy import ProxyConfig, create_app
 from fastapi.testclient import TestClient
 
 from epd_serve.fake_server import ThreadedServer, create_fake_app
 from epd_serve.payloads import chat_body
+from epd_serve.proxy import ProxyConfig, create_app
 
 from ..ports import free_port_block
 
