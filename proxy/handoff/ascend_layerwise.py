@@ -17,7 +17,7 @@ import contextlib
 import dataclasses
 from collections.abc import AsyncIterator
 
-from epd_serve.proxy.handoff.base import Handoff
+from epd_serve.proxy.handoff.base import Handoff, decode_body
 from epd_serve.proxy.state import InstanceState
 from epd_serve.proxy.upstream import ProxyError, Trip, single_token
 
@@ -45,10 +45,8 @@ class AscendLayerwise(Handoff):
         self._pending: dict[str, PendingPrefill] = {}
 
     def _decode_body(self, body: dict) -> dict:
-        out = {k: v for k, v in body.items() if k != "ec_transfer_params"}
-        out["kv_transfer_params"] = {"do_remote_decode": False, "do_remote_prefill": True,
-                                     "metaserver": self.metaserver_url}
-        return out
+        return decode_body(body, {"do_remote_decode": False, "do_remote_prefill": True,
+                                  "metaserver": self.metaserver_url})
 
     @contextlib.asynccontextmanager
     async def _registered(self, path: str, body: dict, trip: Trip, prefill):

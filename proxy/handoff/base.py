@@ -16,6 +16,13 @@ from epd_serve.proxy.state import InstanceState, ProxyConfig
 from epd_serve.proxy.upstream import ProxyError, Trip, Upstream
 
 
+def decode_body(body: dict, kv_transfer_params: dict) -> dict:
+    """The request as decode runs it: it needs the KV, not the encoder's feature."""
+    out = {k: v for k, v in body.items() if k != "ec_transfer_params"}
+    out["kv_transfer_params"] = kv_transfer_params
+    return out
+
+
 class Handoff(ABC):
     name: ClassVar[str]
 

@@ -21,7 +21,7 @@ import contextlib
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from epd_serve.proxy.handoff.base import Handoff
+from epd_serve.proxy.handoff.base import Handoff, decode_body
 from epd_serve.proxy.state import InstanceState
 from epd_serve.proxy.upstream import ProxyError, Trip, single_token
 
@@ -34,16 +34,16 @@ class EPDPush(Handoff):
     name = "epd"
 
     async def complete(self, path, body, trip, prefill):
-        async def decode(decode_body):
-            return (await self.upstream.post("D", path, decode_body, trip))[1]
+        async def decode(request):
+            return (await self.upstream.post("D", path, request, trip))[1]
 
         result = await self._run(path, body, trip, prefill, decode, _discard_result)
         trip.kv = (result.get("kv_transfer_params") or {}).get("epd_kv")
         return result
 
     async def stream(self, path, body, trip, prefill) -> AsyncIterator[bytes]:
-        async def decode(decode_body):
-            return await self.upstream.open_stream("D", path, decode_body, trip)
+        async def decode(request):
+            return await self.upstream.open_stream("D", path, request, trip)
 
         async def close(stream):
             await stream.close()
@@ -60,10 +60,9 @@ class EPDPush(Handoff):
             if not host:
                 raise ProxyError(500, f"prefill instance {p_inst.name} has no KV side channel")
             transfer_id = uuid.uuid4().hex
-            decode_body = {k: v for k, v in body.items() if k != "ec_transfer_params"}
-            decode_body["kv_transfer_params"] = {
+            decode_request = decode_body(body, {
                 "do_remote_prefill": True, "do_remote_decode": False,
-                "transfer_id": transfer_id, "remote_host": host, "remote_port": int(port)}
+                "transfer_id": transfer_id, "remote_host": host, "remote_port": int(port)})
             prefill_body = single_token(body, stream=True, kv_transfer_params={
                 "do_remote_decode": True, "do_remote_prefill": False,
                 "transfer_id": transfer_id, **steering})
@@ -71,7 +70,7 @@ class EPDPush(Handoff):
             try:
                 prefilling = await self.upstream.open_stream("P", path, prefill_body, trip,
                                                              [p_inst])
-                decoding = asyncio.create_task(decode(decode_body))
+                decoding = asyncio.create_task(decode(decode_request))
                 await prefilling.finish()
             except ProxyError as err:
                 if decoding is None:  # prefill never took it: nothing started on decode

@@ -11,7 +11,8 @@ import uuid
 from collections.abc import AsyncIterator
 
 import httpx
-from epd_serve.proxy.handoff.base import Handoff
+
+from epd_serve.proxy.handoff.base import Handoff, decode_body
 from epd_serve.proxy.state import InstanceState
 from epd_serve.proxy.upstream import ProxyError, Trip, single_token, upstream_error
 
@@ -30,24 +31,22 @@ class MooncakePull(Handoff):
         p_inst, _ = await self.upstream.post("P", path, single_token(body, kv_transfer_params={
             "do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id,
         }), trip, prefill)
-        decode_body = {k: v for k, v in body.items() if k != "ec_transfer_params"}
-        decode_body["kv_transfer_params"] = {
+        return decode_body(body, {
             "do_remote_decode": False,
             "do_remote_prefill": True,
             "remote_bootstrap_addr": p_inst.entry.kv_endpoint,
             "remote_engine_id": await self._engine_id(p_inst),
             "transfer_id": transfer_id,
-        }
-        return decode_body
+        })
 
     async def complete(self, path, body, trip, prefill):
-        decode_body = await self._prefill(path, body, trip, prefill)
-        _, result = await self.upstream.post("D", path, decode_body, trip)
+        decode_request = await self._prefill(path, body, trip, prefill)
+        _, result = await self.upstream.post("D", path, decode_request, trip)
         return result
 
     async def stream(self, path, body, trip, prefill) -> AsyncIterator[bytes]:
-        decode_body = await self._prefill(path, body, trip, prefill)
-        return (await self.upstream.open_stream("D", path, decode_body, trip)).relay()
+        decode_request = await self._prefill(path, body, trip, prefill)
+        return (await self.upstream.open_stream("D", path, decode_request, trip)).relay()
 
     async def _engine_id(self, inst: InstanceState) -> str:
         """The prefill engine's id from its bootstrap server; a restarted instance (new

@@ -99,7 +99,6 @@ class Channel:
         self._poller.register(self._mailbox, zmq.POLLIN)
         if self._router is not None:
             self._poller.register(self._router, zmq.POLLIN)
-        addresses = {}
         while not self._stopping.is_set():
             try:
                 ready = dict(self._poller.poll(timeout=self.tick_s * 1000))

@@ -13,13 +13,10 @@ Separate segments also travel in parallel.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import statistics
 import time
 
 from epd_serve.connectors.epd_kv.grouping import LinkModel
-
-logger = logging.getLogger("vllm.epd_serve.kv.transfer")
 
 POLL_S = 0.0002  # between looks at pending writes while waiting for one
 

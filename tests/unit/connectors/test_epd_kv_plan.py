@@ -74,6 +74,14 @@ def test_fitted_groups_fall_back_to_one_layer_per_write():
     assert fitted_groups(0, 1, LINK, None) == []
 
 
+def test_compute_model_learns_per_token_layer_time():
+    model = ComputeModel(smoothing=0.5)
+    assert model.layer_s(1000) is None
+    model.observe(0.010, 1000)
+    model.observe(0.020, 1000)
+    assert model.layer_s(2000) == pytest.approx(0.030)
+
+
 def test_link_estimator_learns_the_cost_writes_really_have():
     loaded = LinkModel(overhead_s=2e-3, bytes_per_s=0.5e9)  # a busy host
     estimator = LinkEstimator(LINK, window=16)
