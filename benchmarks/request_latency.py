@@ -17,7 +17,7 @@ from collections import defaultdict
 
 import httpx
 
-from epd_serve import deploy
+from epd_serve import config, deploy
 from epd_serve.payloads import chat_body, image_data_url, make_image
 
 STAGE_RE = re.compile(r"(\w+)=(\w+):([\d.]+)ms")
@@ -30,10 +30,17 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--kv-connector", choices=["epd", "mooncake"],
                         help="override the deployment's KV connector (P -> D hand-off)")
+    parser.add_argument("--mm-store", choices=["shm", "mooncake", "file"],
+                        help="override the deployment's MM Store backend (E -> P hand-off)")
     args = parser.parse_args()
 
-    dep = deploy.load(args.config, **({"kv_connector": args.kv_connector}
-                                       if args.kv_connector else {}))
+    overrides = {}
+    if args.kv_connector:
+        overrides["kv_connector"] = args.kv_connector
+    if args.mm_store:
+        store = config.load(args.config)[0].mm_store.model_dump()
+        overrides["mm_store"] = {**store, "backend": args.mm_store}
+    dep = deploy.load(args.config, **overrides)
     cfg = dep.config
     start = time.monotonic()
     launcher = deploy.bring_up(dep)  # as `epd-serve up`: healthy, then one warm-up of each kind
@@ -58,7 +65,9 @@ def main() -> None:
                     rows[kind][stage].append(float(ms))
     finally:
         launcher.stop()
-    print(f"{cfg.name} ({dep.plan.to_notation()}, KV {dep.launches[0].kv_protocol}): healthy and "
+    store = dep.mm_store.backend if dep.mm_store else "file" if cfg.mm_store.backend == "file" else "-"
+    print(f"{cfg.name} ({dep.plan.to_notation()}, KV {dep.launches[0].kv_protocol}, "
+          f"MM Store {store}): healthy and "
           f"warmed up after {ready:.1f}s; "
           f"first request after that {first_ms:.0f} ms")
     for kind, stages in rows.items():

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator
 
 from epd_serve import topology
 from epd_serve.hal import (
@@ -23,12 +23,32 @@ from epd_serve.hal import (
     memory_shares,
 )
 from epd_serve.kv_protocols import get_protocol
+from epd_serve.mmstore.spec import StoreSpec
 
 ArgValue = str | int | float | bool | None
 
 
 class ConfigError(ValueError):
     """A deployment file that cannot be used; the message is one line."""
+
+
+class MMStoreConfig(BaseModel):
+    """Where encoder features travel from E to P (and D), keyed by content hash."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    backend: Literal["shm", "mooncake", "file"] = Field(
+        "shm", description="'shm': our node-local shared-memory store (E and P on one "
+        "host); 'mooncake': Mooncake Store (across nodes); 'file': vLLM's file-per-image "
+        "connector, no capacity bound (for comparison)."
+    )
+    capacity: ByteSize = Field(ByteSize(2 << 30), description="Bytes of features kept; "
+                               "least recently used ones are evicted beyond it, e.g. 2GiB.")
+    port: int = Field(8990, description="Store server (shm) or Mooncake master RPC port.")
+    metrics_port: int = Field(8991, description="HTTP /metrics of the store.")
+    prefetch_base_port: int = Field(
+        8960, description="Prefill instances listen for prefetch hints on consecutive "
+        "ports from here, in plan order.")
 
 
 class Deployment(BaseModel):
@@ -63,6 +83,8 @@ class Deployment(BaseModel):
         default_factory=dict, description="Settings for the KV connector, e.g. for 'epd': "
         "mode (whole | layer | group), group_size ('auto' or layers), timeouts."
     )
+    mm_store: MMStoreConfig = Field(default_factory=MMStoreConfig,
+                                    description="The MM Store (encoder features E -> P).")
     devices: list[int] | None = Field(
         None, description="Physical device ids, in plan order; default 0..N-1."
     )
@@ -75,6 +97,10 @@ class Deployment(BaseModel):
         default_factory=dict, description="Extra engine flags for instances running a stage."
     )
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment for every instance.")
+    fault_injection: bool = Field(
+        False, description="Tests only: the proxy honours the request header "
+        "'x-epd-fault: drop-features' (deletes the request's features from the MM Store "
+        "after the encoder, so prefill must recompute).")
     health_timeout_s: float = Field(600.0, description="How long start-up may take.")
     max_restarts: int = Field(3, description="Restarts per instance before the launcher gives up.")
 
@@ -163,8 +189,10 @@ def resolve(config: Deployment, root: Path) -> ResolvedDeployment:
         )
     shares = memory_shares(plan)
     protocol = kv_protocol_of(config)
+    store = store_spec_of(config)
     launches = []
     next_kv_port = config.kv_base_port
+    next_prefetch_port = config.mm_store.prefetch_base_port
     for index, inst in enumerate(plan.instances):
         args = dict(config.engine_args)
         for role, role_args in config.role_engine_args.items():
@@ -175,6 +203,11 @@ def resolve(config: Deployment, root: Path) -> ResolvedDeployment:
         if kv_role is not None:
             kv_port = next_kv_port
             next_kv_port += inst.tensor_parallel
+        ec_role = ec_role_for(inst, plan, decode_consumes=store is not None)
+        prefetch_port = None
+        if store is not None and ec_role == "ec_consumer" and inst.has(topology.Role.PREFILL):
+            prefetch_port = next_prefetch_port
+            next_prefetch_port += 1
         launches.append(
             InstanceLaunch(
                 instance=inst,
@@ -185,8 +218,10 @@ def resolve(config: Deployment, root: Path) -> ResolvedDeployment:
                 devices=tuple(device_map[d] for d in inst.devices),
                 memory_share=shares[inst.name],
                 max_model_len=config.max_model_len,
-                ec_role=ec_role_for(inst, plan),
+                ec_role=ec_role,
                 ec_storage_path=str(work_dir / "ec_cache"),
+                mm_store=store if ec_role is not None else None,
+                prefetch_port=prefetch_port,
                 kv_role=kv_role,
                 kv_protocol=protocol,
                 kv_port=kv_port,
@@ -212,6 +247,17 @@ def kv_protocol_of(config: Deployment) -> str:
     return name
 
 
+def store_spec_of(config: Deployment) -> StoreSpec | None:
+    """The deployment's MM Store, or None where features go through vLLM's file
+    connector or nothing is encoded apart (no encoder-only instance)."""
+    store = config.mm_store
+    if store.backend == "file" or not any(i.roles == "E" for i in config.plan.instances):
+        return None
+    return StoreSpec(backend=store.backend, host=config.host, port=store.port,
+                     metrics_port=store.metrics_port, capacity_bytes=int(store.capacity),
+                     name=config.name)
+
+
 def _absolute(value: str, root: Path) -> Path:
     path = Path(value).expanduser()
     return path if path.is_absolute() else (root / path).resolve()
@@ -231,11 +277,20 @@ class ResolvedDeployment:
     def proxy_url(self) -> str:
         return f"http://{self.config.host}:{self.config.proxy_port}"
 
+    @property
+    def mm_store(self) -> StoreSpec | None:
+        return store_spec_of(self.config)
+
     def ports(self) -> dict[int, str]:
         """Every port the deployment listens on -> who uses it."""
         ports = {self.config.proxy_port: "proxy"}
+        if (store := self.mm_store) is not None:
+            ports[store.port] = f"MM Store ({store.backend})"
+            ports[store.metrics_port] = "MM Store metrics"
         for launch in self.launches:
             ports[launch.port] = f"instance {launch.name}"
+            if launch.prefetch_port is not None:
+                ports[launch.prefetch_port] = f"prefetch hints of {launch.name}"
             if launch.kv_port is not None:
                 for rank in range(launch.instance.tensor_parallel):
                     ports[launch.kv_port + rank] = f"KV port of {launch.name}"

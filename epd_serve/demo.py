@@ -24,7 +24,10 @@ def describe(delta: Counters) -> str:
     if delta.ec_saved:
         parts.append(f"encoded {delta.ec_saved} image(s)")
     if delta.ec_loaded:
-        parts.append(f"got {delta.ec_loaded} feature(s) from E")
+        prefetched = f" ({delta.ec_prefetched:.0f} prefetched)" if delta.ec_prefetched else ""
+        parts.append(f"got {delta.ec_loaded} feature(s) from the MM Store{prefetched}")
+    if delta.ec_encoded_locally:
+        parts.append(f"encoded {delta.ec_encoded_locally:.0f} missing feature(s) itself")
     if delta.prompt_local:
         parts.append(f"computed {delta.prompt_local:.0f} prompt tok")
     if delta.prompt_external_kv:

@@ -45,8 +45,8 @@ def bring_up(dep: config.ResolvedDeployment, warmup: bool = True) -> Launcher:
 
     ensure_model(dep)
     launcher = Launcher(dep)
-    launcher.start()
     try:
+        launcher.start()
         with StartupProgress(dep) as progress:
             elapsed = launcher.wait_healthy(progress.update)
         print(f"deployment {dep.config.name} ({dep.plan.to_notation()}) healthy after "

@@ -30,6 +30,8 @@ def create_fake_app(name: str = "fake", ttft_ms: float = 0.0, itl_ms: float = 0.
     app.state.requests = []
     app.state.fail_status = fail_status
     app.state.break_streams = False  # cut streamed answers off after the headers (a crash)
+    # Fail requests that carry image references (a prefill whose feature went missing).
+    app.state.reject_references = False
 
     @app.get("/health")
     async def health():
@@ -56,6 +58,11 @@ def create_fake_app(name: str = "fake", ttft_ms: float = 0.0, itl_ms: float = 0.
         if app.state.fail_status:
             return JSONResponse({"error": {"message": f"{name} is failing on purpose"}},
                                 status_code=app.state.fail_status)
+        parts = [p for m in body.get("messages") or [] if isinstance(m.get("content"), list)
+                 for p in m["content"]]
+        if app.state.reject_references and any(p.get("type") == "image_embeds" for p in parts):
+            return JSONResponse({"error": {"message": "encoder feature not available"}},
+                                status_code=500)
         kv_params = body.get("kv_transfer_params") or {}
         if kv_params.get("metaserver"):
             await _report_blocks(kv_params["metaserver"], name, kind, request_id)
@@ -69,8 +76,11 @@ def create_fake_app(name: str = "fake", ttft_ms: float = 0.0, itl_ms: float = 0.
         rid = f"cmpl-{uuid.uuid4().hex[:12]}"
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n,
                  "total_tokens": prompt_tokens + n}
-        extra = {"kv_transfer_params": kv_params or None,
-                 "ec_transfer_params": {"served_by": name}}
+        # An encoder publishes each keyed image's placeholder metadata, as vLLM's do.
+        keyed = [p["uuid"] for p in parts if p.get("type") == "image_url" and p.get("uuid")]
+        ec_params = ({key: {"metadata": {"image_grid_thw": [1, 4, 4]}, "item_indices": [i]}
+                      for i, key in enumerate(keyed)} if keyed else {"served_by": name})
+        extra = {"kv_transfer_params": kv_params or None, "ec_transfer_params": ec_params}
 
         def choice_chunk(i: int) -> dict:
             if kind == "chat":

@@ -15,10 +15,16 @@ import sys
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
+from epd_serve.connectors.epd_ec.settings import Settings
 from epd_serve.kv_protocols import Connector, get_protocol
+from epd_serve.mmstore.spec import StoreSpec
 from epd_serve.topology import Instance, Plan, Role
 
 PLATFORMS = ("cpu", "cuda", "ascend")
+
+# Our EC connector over the MM Store; the same on every platform (vLLM loads it through
+# ec_connector_module_path, which vllm-ascend inherits).
+EC_STORE_CONNECTOR = Connector("EPDECConnector", "epd_serve.connectors.epd_ec")
 
 # Relative memory weight of co-located instances: an encoder-only instance holds the
 # vision tower and its activations, far less than an LLM instance's weights + KV cache.
@@ -39,7 +45,9 @@ class InstanceLaunch:
     memory_share: float  # share of each device's memory this instance may use
     max_model_len: int
     ec_role: str | None = None  # ec_producer | ec_consumer | None
-    ec_storage_path: str | None = None
+    ec_storage_path: str | None = None  # vLLM's file connector (no MM Store)
+    mm_store: StoreSpec | None = None  # our EC connector over this store
+    prefetch_port: int | None = None  # where a prefill's prefetch listener takes hints
     kv_role: str | None = None  # kv_producer | kv_consumer | None
     kv_protocol: str = "epd"  # how KV travels P -> D (epd_serve/kv_protocols.py)
     kv_port: int | None = None  # first of the instance's KV ports (one per TP rank)
@@ -60,14 +68,17 @@ class InstanceLaunch:
         return self.instance.roles == "E"
 
 
-def ec_role_for(instance: Instance, plan: Plan) -> str | None:
+def ec_role_for(instance: Instance, plan: Plan, decode_consumes: bool = False) -> str | None:
     """Encoder-only instances produce features; prefill instances without an encoder
-    of their own consume them when the plan has encoder instances."""
+    of their own consume them when the plan has encoder instances. With the MM Store,
+    decode instances consume too: they are sent image references, and a decode that
+    must compute the prompt itself (its KV never came) loads the features."""
     if instance.roles == "E":
         return "ec_producer"
-    if instance.has(Role.PREFILL) and not instance.has(Role.ENCODE):
-        if any(i.roles == "E" for i in plan.instances):
-            return "ec_consumer"
+    if not any(i.roles == "E" for i in plan.instances) or instance.has(Role.ENCODE):
+        return None
+    if instance.has(Role.PREFILL) or (decode_consumes and instance.has(Role.DECODE)):
+        return "ec_consumer"
     return None
 
 
@@ -106,7 +117,7 @@ class Platform(ABC):
     # vLLM release line: connector names were renamed between releases).
     kv_connectors: ClassVar[dict[str, Connector]]
     default_kv_protocol: ClassVar[str]
-    ec_connector: ClassVar[Connector]
+    ec_connector: ClassVar[Connector]  # file-based, for deployments without the MM Store
     # Fraction of a device's memory that all instances on it may use together.
     usable_memory: ClassVar[float] = 0.9
 
@@ -150,6 +161,12 @@ class Platform(ABC):
     def ec_transfer_config(self, launch: InstanceLaunch) -> dict[str, Any] | None:
         if launch.ec_role is None:
             return None
+        if launch.mm_store is not None:
+            settings = Settings(store=launch.mm_store, prefetch_host=launch.host,
+                                prefetch_port=launch.prefetch_port)
+            conn = dataclasses.replace(EC_STORE_CONNECTOR,
+                                       extra_config=settings.to_extra_config())
+            return _connector_config("ec", conn, launch.ec_role)
         conn = dataclasses.replace(
             self.ec_connector,
             extra_config={**self.ec_connector.extra_config,

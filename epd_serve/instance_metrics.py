@@ -29,6 +29,9 @@ class Counters:
     ec_loaded: int = 0  # encoder features it took from another instance
     kv_transfers: float = 0.0  # KV hand-offs our connector finished (sent or received)
     kv_failures: float = 0.0  # ... that failed (a decode instance then recomputed)
+    ec_prefetched: float = 0.0  # features a prefetch hint brought before they were needed
+    ec_encoded_locally: float = 0.0  # features missing from the MM Store, encoded here
+    ec_unavailable: float = 0.0  # requests failed: feature missing and no image sent
 
     def __sub__(self, other: "Counters") -> "Counters":
         return Counters(**{
@@ -45,6 +48,8 @@ def parse_prometheus(text: str) -> dict[str, float]:
             key = sample.name
             if key == "vllm:prompt_tokens_by_source_total":
                 key = f"{key}/{sample.labels.get('source')}"
+            elif key == "epd_ec_features_total":
+                key = f"{key}/{sample.labels.get('event')}"
             out[key] = out.get(key, 0.0) + sample.value
     return out
 
@@ -76,4 +81,7 @@ def snapshot(url: str, log_path: Path | None = None, client: httpx.Client | None
         ec_loaded=loaded,
         kv_transfers=values.get("epd_kv_transfers_total", 0.0),
         kv_failures=values.get("epd_kv_failures_total", 0.0),
+        ec_prefetched=values.get("epd_ec_features_total/prefetched", 0.0),
+        ec_encoded_locally=values.get("epd_ec_features_total/encoded_locally", 0.0),
+        ec_unavailable=values.get("epd_ec_features_total/unavailable", 0.0),
     )

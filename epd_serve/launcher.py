@@ -28,6 +28,7 @@ import httpx
 from epd_serve.config import ConfigError, ResolvedDeployment
 from epd_serve.hal import InstanceLaunch, Platform, get_platform
 from epd_serve.kv_protocols import get_protocol
+from epd_serve.mmstore.service import store_processes
 from epd_serve.proctree import KILL_WAIT_S, TAG_ENV, ProcessTree, kill_trees, plural
 from epd_serve.proxy.state import InstanceEntry, ProxyConfig
 from epd_serve.tinymodel import is_model_dir
@@ -82,19 +83,26 @@ def preflight(dep: ResolvedDeployment, platform: Platform) -> None:
 
 
 def proxy_config(dep: ResolvedDeployment) -> ProxyConfig:
-    """The proxy's typed view of the deployment, KV hand-off included."""
+    """The proxy's typed view of the deployment, KV hand-off and MM Store included."""
     instances = []
     for launch in dep.launches:
         endpoint = None
         if launch.kv_role is not None:
             endpoint = get_protocol(launch.kv_protocol).proxy_endpoint(launch)
+        prefetch = None
+        if launch.prefetch_port is not None:
+            prefetch = f"{launch.host}:{launch.prefetch_port}"
         instances.append(InstanceEntry(name=launch.name, roles=launch.instance.roles,
-                                       url=launch.url, kv_endpoint=endpoint))
+                                       url=launch.url, kv_endpoint=endpoint,
+                                       prefetch_endpoint=prefetch))
+    store = dep.mm_store
     return ProxyConfig(
         model=dep.launches[0].served_model_name,
         host=dep.config.host,
         port=dep.config.proxy_port,
         kv_protocol=dep.launches[0].kv_protocol,
+        mm_store=store.to_json() if store is not None else None,
+        fault_injection=dep.config.fault_injection,
         instances=instances,
     )
 
@@ -110,6 +118,7 @@ class Child:
     log_path: Path
     health_url: str
     tag: str | None = None  # TAG_ENV's value, the same for every restart of this child
+    needed_by_engines: bool = False  # started and serving before any engine starts
     process: subprocess.Popen | None = None
     restarts: int = 0
     started_at: float = 0.0
@@ -171,7 +180,15 @@ class Launcher:
         return f"{self.dep.config.name}/{child_name}/{self._token}"
 
     def _build_children(self) -> list[Child]:
+        """The MM Store's processes first (engines connect to it as they start), then
+        the instances and the proxy."""
         children = []
+        if (store := self.dep.mm_store) is not None:
+            for proc in store_processes(store):
+                children.append(Child(name=proc.name, command=proc.command, env={},
+                                      log_path=self.log_dir / f"{proc.name}.log",
+                                      health_url=proc.health_url, tag=self._tag(proc.name),
+                                      needed_by_engines=True))
         for launch in self.dep.launches:
             children.append(self._instance_child(launch))
         proxy_json = self.dep.work_dir / "proxy.json"
@@ -208,7 +225,25 @@ class Launcher:
         self.children = self._build_children()
         for child in self.children:
             child.start()
-        self._write_state()
+            self._write_state()
+            if child.needed_by_engines:
+                self._wait_serving(child)
+
+    def _wait_serving(self, child: Child, timeout_s: float = 60.0) -> None:
+        """Block until a process the engines connect to at start-up answers."""
+        deadline = time.monotonic() + timeout_s
+        with httpx.Client() as client:
+            while True:
+                if (code := child.exit_code()) is not None:
+                    raise LaunchError(f"{child.name} exited with code {code} during start-up; "
+                                      f"last lines of {child.log_path}:\n{child.log_tail()}")
+                self.poll_health(client)
+                if child.healthy:
+                    return
+                if time.monotonic() > deadline:
+                    raise LaunchError(f"{child.name} did not start in {timeout_s:.0f}s; see "
+                                      f"{child.log_path}")
+                time.sleep(0.2)
 
     def _write_state(self) -> None:
         state = {

@@ -41,7 +41,8 @@ class StartupProgress:
             code = child.exit_code()
             state = ("[green]healthy" if child.healthy
                      else f"[red]exited ({code})" if code is not None else "[yellow]starting")
-            table.add_row(child.name, self.roles.get(child.name, "router"), state,
+            stages = self.roles.get(child.name, "router" if child.name == "proxy" else "store")
+            table.add_row(child.name, stages, state,
                           str(child.log_path))
         self.live.update(table)
 

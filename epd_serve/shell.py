@@ -13,6 +13,7 @@ import sys
 from epd_serve.config import ResolvedDeployment
 from epd_serve.hal import Platform
 from epd_serve.launcher import proxy_config
+from epd_serve.mmstore.service import store_processes
 
 
 def emit_shell(dep: ResolvedDeployment, platform: Platform) -> str:
@@ -36,15 +37,25 @@ def emit_shell(dep: ResolvedDeployment, platform: Platform) -> str:
         '  for pid in "${PIDS[@]}"; do kill -KILL -- "-$pid" 2>/dev/null || true; done',
         "}",
         "trap cleanup EXIT INT TERM",
-        "wait_healthy() {  # name url",
+        "wait_serving() {  # name url",
         f"  for _ in $(seq {int(dep.config.health_timeout_s)}); do",
-        '    curl -sf "$2/health" >/dev/null && { echo "$1 healthy"; return 0; }',
+        '    curl -sf "$2" >/dev/null && { echo "$1 healthy"; return 0; }',
         "    sleep 1",
         "  done",
         '  echo "$1 did not become healthy; see $WORK/logs/$1.log" >&2; return 1',
         "}",
+        'wait_healthy() { wait_serving "$1" "$2/health"; }  # name url',
         "",
     ]
+    if (store := dep.mm_store) is not None:
+        for proc in store_processes(store):
+            lines += [
+                f"# {proc.name}: the MM Store ({store.backend}), serving before the engines",
+                f'setsid {shlex.join(proc.command)} >"$WORK/logs/{proc.name}.log" 2>&1 &',
+                "PIDS+=($!)",
+                f"wait_serving {proc.name} {q(proc.health_url)}",
+                "",
+            ]
     for launch in dep.launches:
         env = platform.environment(launch)
         env_words = " ".join(f"{k}={q(v)}" for k, v in sorted(env.items()))

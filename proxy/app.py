@@ -89,6 +89,7 @@ def create_app(config: ProxyConfig) -> FastAPI:
                 poller.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await poller
+                app.state.pipeline.close()
 
     app = FastAPI(title="epd-serve proxy", lifespan=lifespan)
     app.state.table = table
@@ -108,14 +109,15 @@ def create_app(config: ProxyConfig) -> FastAPI:
                              "invalid_request_error")
         pipeline: Pipeline = request.app.state.pipeline
         start = time.perf_counter()
+        fault = request.headers.get("x-epd-fault")
         if body.get("stream"):
-            trip, stream = await pipeline.open_stream(path, body)
+            trip, stream = await pipeline.open_stream(path, body, fault)
             logger.info("%s mm=%s %s", trip.request_id, trip.multimodal, trip.header())
             return StreamingResponse(
                 stream, media_type="text/event-stream",
                 headers={STAGES_HEADER: trip.header(), "x-request-id": trip.request_id},
             )
-        trip, result = await pipeline.complete(path, body)
+        trip, result = await pipeline.complete(path, body, fault)
         logger.info("%s mm=%s %s total=%.1fms", trip.request_id, trip.multimodal, trip.header(),
                     (time.perf_counter() - start) * 1e3)
         return JSONResponse(

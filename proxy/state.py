@@ -22,6 +22,8 @@ class InstanceEntry(BaseModel):
     kv_endpoint: str | None = Field(None, description="Where the KV hand-off reaches this "
                                     "instance's connector: a bootstrap URL (mooncake) or a "
                                     "side channel host:port (epd).")
+    prefetch_endpoint: str | None = Field(None, description="host:port where this prefill "
+                                          "instance takes prefetch hints (MM Store).")
 
 
 class ProxyConfig(BaseModel):
@@ -32,6 +34,10 @@ class ProxyConfig(BaseModel):
     port: int = 8000
     kv_protocol: str = Field("epd", description="KV hand-off between prefill and decode: "
                              "epd | mooncake | ascend-layerwise (proxy/handoff/).")
+    mm_store: str | None = Field(None, description="The MM Store's StoreSpec as JSON; None: "
+                                 "features go through vLLM's file connector.")
+    fault_injection: bool = Field(False, description="Honour the x-epd-fault request header "
+                                  "(tests only).")
     instances: list[InstanceEntry]
     request_timeout_s: float = 600.0
     health_interval_s: float = 2.0

@@ -49,6 +49,9 @@ class Trip:
     multimodal: bool
     stages: list[StageRecord] = dataclasses.field(default_factory=list)
     kv: dict[str, Any] | None = None  # the KV hand-off's own report, where it gives one
+    # How prefill and decode got the images: "ref" (feature references, no pixels),
+    # "pixels", or "recompute" (references failed, then pixels); None for text.
+    images: str | None = None
 
     def header(self) -> str:
         """Stages in pipeline order (prefill and decode may run at the same time)."""
@@ -64,6 +67,8 @@ class Trip:
                 if key in kv:
                     fields.append(f"{key.removesuffix('_ms')}={kv[key]}{unit}")
             parts.append("KV=" + ":".join(fields))
+        if self.images:
+            parts.append(f"IMG={self.images}")
         return ";".join(parts)
 
 

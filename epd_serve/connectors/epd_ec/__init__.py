@@ -1,0 +1,17 @@
+"""Our EC connector: encoder features through the MM Store (epd_serve/mmstore).
+
+Load it in vLLM with `"ec_connector": "EPDECConnector",
+"ec_connector_module_path": "epd_serve.connectors.epd_ec"`. The facade is
+connector.py; scheduler.py and worker.py are its two sides, prefetch.py the listener
+that pulls hinted features on a consumer, codec.py tensors to bytes and back,
+stats.py its metrics. Imported lazily, so
+the control plane can read `settings` without vLLM installed.
+"""
+
+
+def __getattr__(name: str):
+    if name == "EPDECConnector":
+        from epd_serve.connectors.epd_ec.connector import EPDECConnector
+
+        return EPDECConnector
+    raise AttributeError(name)

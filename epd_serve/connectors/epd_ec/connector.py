@@ -1,0 +1,85 @@
+"""`EPDECConnector`: vLLM's view of our MM Store connector.
+
+Loaded in every vLLM process through `ec_connector_module_path` (API server for its
+stats classes, engine core for the scheduler side, workers for the worker side). A
+thin facade: each call goes to `EPDECScheduler` or `EPDECWorker`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorBase, ECConnectorRole
+
+from epd_serve.connectors.epd_ec.scheduler import ECStep, EPDECScheduler
+from epd_serve.connectors.epd_ec.settings import Settings
+from epd_serve.connectors.epd_ec.stats import EPDECPromMetrics, EPDECStats
+
+
+class EPDECConnector(ECConnectorBase):
+    def __init__(self, vllm_config, role: ECConnectorRole):
+        super().__init__(vllm_config, role)
+        settings = Settings.from_extra_config(
+            dict(vllm_config.ec_transfer_config.ec_connector_extra_config))
+        self.scheduler: EPDECScheduler | None = None
+        self.worker = None
+        if role == ECConnectorRole.SCHEDULER:
+            self.scheduler = EPDECScheduler(vllm_config, settings, self.is_producer,
+                                            self.is_consumer)
+        else:
+            from epd_serve.connectors.epd_ec.worker import EPDECWorker
+
+            self.worker = EPDECWorker(vllm_config, settings, self.is_producer, self.is_consumer)
+
+    # -- classmethods vLLM calls in the API server ----------------------------------
+    @classmethod
+    def build_ec_connector_stats(cls, data: dict[str, Any] | None = None):
+        return EPDECStats(data=data) if data is not None else EPDECStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return EPDECPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    # -- scheduler side --------------------------------------------------------------
+    def ensure_cache_available(self, request, num_computed_tokens: int) -> bool:
+        return self.scheduler.ensure_cache_available(request, num_computed_tokens)
+
+    def has_cache_item(self, identifier: str) -> bool:
+        return self.scheduler.has_cache_item(identifier)
+
+    def update_state_after_alloc(self, request, index: int) -> None:
+        self.scheduler.update_state_after_alloc(request, index)
+
+    def build_connector_meta(self, scheduler_output) -> ECStep:
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def take_unavailable_requests(self) -> set[str]:
+        return self.scheduler.take_unavailable_requests()
+
+    def update_connector_output(self, connector_output) -> None:
+        self.scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request):
+        return self.scheduler.request_finished(request)
+
+    def get_ec_connector_stats(self):
+        side = self.scheduler or self.worker
+        data = side.recorder.take()
+        return EPDECStats(data=data) if data is not None else None
+
+    # -- worker side -------------------------------------------------------------------
+    def start_save_caches(self, **kwargs: Any) -> None:
+        self.worker.start_save_caches(self._get_connector_metadata(), kwargs["encoder_cache"])
+
+    def save_caches(self, encoder_cache, mm_hash, **kwargs) -> None:
+        if self.is_producer:
+            self.worker.save(encoder_cache, mm_hash)
+
+    def start_load_caches(self, encoder_cache, **kwargs) -> None:
+        self.worker.start_load_caches(self._get_connector_metadata(), encoder_cache)
+
+    def build_connector_worker_meta(self):
+        return self.worker.worker_meta()
+
+    def shutdown(self) -> None:
+        (self.scheduler or self.worker).shutdown()

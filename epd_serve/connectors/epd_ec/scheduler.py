@@ -1,0 +1,155 @@
+"""Scheduler side of the EC connector (runs in the vLLM engine-core process).
+
+Producer (encoder): notes each new request's placeholder metadata (the image grid) so
+the worker stores it beside the feature, and returns it in `ec_transfer_params`, which
+is what the proxy builds prefill's and decode's image references from.
+
+Consumer (prefill; decode when it must recompute): before a request is scheduled, each
+feature it still needs is pinned in the MM Store, so it cannot be evicted before the
+worker has loaded it. A feature the store lacks is encoded locally when the request
+carries the image; when it carries only a reference the request is failed at once
+(vLLM fails it with a retryable error) and the proxy sends it again with the image.
+Never the "encoder cache miss" crash: a feature is only promised when it is pinned.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+
+from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorMetadata
+from vllm.distributed.ec_transfer.ec_connector.utils import (
+    PlaceholderMetadataResolver,
+    collect_ec_item_metadata,
+)
+
+from epd_serve.connectors.epd_ec.settings import Settings
+from epd_serve.connectors.epd_ec.stats import Recorder
+from epd_serve.mmstore import FeatureStore, StoreError, open_store
+
+log = logging.getLogger("vllm.epd_serve.ec")
+
+
+@dataclass
+class ECStep(ECConnectorMetadata):
+    """What the worker does this step."""
+
+    loads: dict[str, int] = field(default_factory=dict)  # mm_hash -> embeddings to load
+    publish: dict[str, dict] = field(default_factory=dict)  # mm_hash -> placeholder metadata
+
+
+class EPDECScheduler:
+    def __init__(self, vllm_config, settings: Settings, producer: bool, consumer: bool):
+        self.producer = producer
+        self.consumer = consumer
+        self.resolver = PlaceholderMetadataResolver(vllm_config.model_config)
+        self.store: FeatureStore = open_store(settings.store)
+        self.recorder = Recorder()
+        self._pins: dict[str, list[str]] = {}  # request id -> keys it pinned
+        self._pinned: Counter[str] = Counter()  # key -> requests holding a pin
+        self._unavailable: set[str] = set()  # failed, until vLLM finishes them
+        self._to_fail: set[str] = set()  # failed, not yet handed to vLLM
+        self._loads: dict[str, int] = {}
+        self._publish: dict[str, dict] = {}
+
+    # -- before scheduling ---------------------------------------------------------
+    def ensure_cache_available(self, request, num_computed_tokens: int) -> bool:
+        req_id = request.request_id
+        if req_id in self._unavailable:
+            return False
+        if req_id in self._pins:
+            return True
+        if self.producer:
+            items = collect_ec_item_metadata(request.mm_features, self.resolver)
+            self._publish.update({key: item["metadata"] for key, item in items.items()})
+        if not self.consumer:
+            self._pins[req_id] = []
+            return True
+        pinned: list[str] = []
+        for feature in request.mm_features:
+            position = feature.mm_position
+            if position.offset + position.length <= num_computed_tokens:
+                continue  # its tokens are computed already (prefix cache, received KV)
+            key = feature.identifier
+            if self._pin(key):
+                pinned.append(key)
+            elif self._carries_media(feature):
+                log.info("epd-ec %s not in the MM Store: encoding it here (request %s)",
+                         key, req_id)
+                self.recorder.count("encoded_locally")
+            else:
+                log.warning("epd-ec %s not in the MM Store and request %s carries no "
+                            "image: failing it for the proxy to resend with the image",
+                            key, req_id)
+                self.recorder.count("unavailable")
+                for held in pinned:
+                    self._unpin(held)
+                self._unavailable.add(req_id)
+                self._to_fail.add(req_id)
+                return False
+        self._pins[req_id] = pinned
+        return True
+
+    def _pin(self, key: str) -> bool:
+        if self._pinned[key] == 0:
+            try:
+                if self.store.pin(key) is None:
+                    return False
+            except StoreError as err:
+                log.warning("epd-ec MM Store unreachable: %s", err)
+                return False
+        self._pinned[key] += 1
+        return True
+
+    def _unpin(self, key: str) -> None:
+        self._pinned[key] -= 1
+        if self._pinned[key] <= 0:
+            del self._pinned[key]
+            try:
+                self.store.unpin(key)
+            except StoreError:
+                pass  # the store's pins lapse by themselves
+
+    def _carries_media(self, feature) -> bool:
+        """True when the request holds what the encoder needs (pixels), not only the
+        placeholder metadata of a reference."""
+        if feature.data is None:
+            return False
+        return bool(set(feature.data) - self.resolver.fields_for(feature.modality))
+
+    # -- scheduling ------------------------------------------------------------------
+    def has_cache_item(self, identifier: str) -> bool:
+        return self.consumer and identifier in self._pinned
+
+    def update_state_after_alloc(self, request, index: int) -> None:
+        key = request.mm_features[index].identifier
+        if self.has_cache_item(key):
+            self._loads[key] = request.get_num_encoder_embeds(index)
+
+    def build_connector_meta(self, scheduler_output) -> ECStep:
+        step = ECStep(loads=self._loads, publish=self._publish)
+        self._loads, self._publish = {}, {}
+        return step
+
+    def take_unavailable_requests(self) -> set[str]:
+        failed, self._to_fail = self._to_fail, set()
+        return failed
+
+    # -- after -------------------------------------------------------------------------
+    def update_connector_output(self, connector_output) -> None:
+        meta = connector_output.ec_connector_worker_meta
+        if meta is not None:
+            self.recorder.absorb(meta.data)
+
+    def request_finished(self, request) -> tuple[bool, dict | None]:
+        req_id = request.request_id
+        self._unavailable.discard(req_id)
+        for key in self._pins.pop(req_id, []):
+            self._unpin(key)
+        if not self.producer:
+            return False, None
+        return False, collect_ec_item_metadata(request.mm_features, self.resolver) or None
+
+    def shutdown(self) -> None:
+        self.store.close()

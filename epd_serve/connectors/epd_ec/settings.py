@@ -1,0 +1,34 @@
+"""The EC connector's settings, read from `ec_connector_extra_config`. No vLLM import:
+the launcher builds the same record."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from epd_serve.mmstore.spec import StoreSpec
+
+
+class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    store: StoreSpec
+    # Consumers: where the prefetch listener takes hints (the proxy sends the hashes of
+    # a request's features there as soon as the encoder is done); None: no listener.
+    prefetch_host: str = "127.0.0.1"
+    prefetch_port: int | None = None
+    # Prefetched features not yet claimed by a request are kept up to this many bytes.
+    prefetch_budget_bytes: int = 1 << 30
+    # How long a load waits for a prefetch already under way before reading itself.
+    prefetch_wait_s: float = 10.0
+    # Mooncake backend: memory a producer lends to the pool (0: a holder process does).
+    segment_bytes: int = 0
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any]) -> Settings:
+        try:
+            return msgspec.convert(extra, cls)
+        except msgspec.ValidationError as err:
+            raise ValueError(f"ec_connector_extra_config for EPDECConnector: {err}") from None
+
+    def to_extra_config(self) -> dict[str, Any]:
+        return msgspec.to_builtins(self)

@@ -1,0 +1,148 @@
+"""Worker side of the EC connector (runs in each vLLM worker process).
+
+Producer: after the encoder runs, `save_caches` writes the feature to the MM Store with
+its shape, dtype and placeholder metadata; the put is done before the step ends, so
+the feature is in the store by the time the encoder's answer reaches the proxy.
+Consumer: `start_load_caches` puts each feature the scheduler pinned into vLLM's
+encoder cache, taking it from the prefetch listener when a hint brought it early.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from epd_serve.connectors.epd_ec.codec import HostStaging, to_bytes, to_tensor
+from epd_serve.connectors.epd_ec.prefetch import Prefetcher
+from epd_serve.connectors.epd_ec.scheduler import ECStep
+from epd_serve.connectors.epd_ec.settings import Settings
+from epd_serve.connectors.epd_ec.stats import EPDECWorkerMeta, Recorder
+from epd_serve.mmstore import FeatureMeta, FeatureStore, StoreError, open_store
+
+log = logging.getLogger("vllm.epd_serve.ec")
+
+
+def _tp_rank() -> int:
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    try:
+        return get_tensor_model_parallel_rank()
+    except AssertionError:  # model parallel not initialised (tests, single process)
+        return 0
+
+
+class EPDECWorker:
+    def __init__(self, vllm_config, settings: Settings, producer: bool, consumer: bool):
+        from vllm.platforms import current_platform
+
+        self.settings = settings
+        self.producer = producer
+        self.consumer = consumer
+        self.device = current_platform.device_type
+        if current_platform.is_cuda_alike():
+            self.device = f"{self.device}:{current_platform.current_device()}"
+        model = vllm_config.model_config
+        self.hidden_size = model.get_inputs_embeds_size()
+        self.dtype = model.dtype
+        self.store: FeatureStore = open_store(
+            settings.store, segment_bytes=settings.segment_bytes if producer else 0)
+        self.recorder = Recorder()
+        # Tensor-parallel ranks all hold the whole feature. One of them stores it and
+        # listens for hints (one port per instance); the others read it when needed.
+        self.first_rank = _tp_rank() == 0
+        self.prefetcher = None
+        if consumer and settings.prefetch_port is not None and self.first_rank:
+            self.prefetcher = Prefetcher(self.store, settings.prefetch_host,
+                                         settings.prefetch_port, settings.prefetch_budget_bytes)
+        self._placeholders: dict[str, dict] = {}
+        self._staging = HostStaging() if producer and self.device != "cpu" else None
+
+    # -- producer ----------------------------------------------------------------------
+    def start_save_caches(self, step: ECStep, encoder_cache: dict[str, torch.Tensor]) -> None:
+        self._placeholders = dict(step.publish)
+        # An item still in the encoder cache from an earlier request is not encoded
+        # again, so save_caches will not fire for it: make sure the store has it.
+        for key in step.publish:
+            if key in encoder_cache and self._lookup(key) is None:
+                self.save(encoder_cache, key)
+
+    def save(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str) -> None:
+        if not self.first_rank:
+            return
+        data, meta = to_bytes(encoder_cache[mm_hash], self._staging)
+        meta = FeatureMeta(meta.shape, meta.dtype, self._placeholders.get(mm_hash, {}))
+        start = time.perf_counter()
+        try:
+            stored = self.store.put(mm_hash, data, meta)
+        except StoreError as err:
+            log.warning("epd-ec could not store %s: %s (consumers will encode it)", mm_hash, err)
+            return
+        seconds = time.perf_counter() - start
+        if stored:
+            self.recorder.put(data.nbytes, seconds)
+            self.recorder.count("saved")
+            log.info("epd-ec saved mm_hash=%s bytes=%d put_ms=%.2f", mm_hash, data.nbytes,
+                     seconds * 1e3)
+
+    def _lookup(self, key: str) -> FeatureMeta | None:
+        try:
+            return self.store.lookup(key)
+        except StoreError:
+            return None
+
+    # -- consumer ----------------------------------------------------------------------
+    def start_load_caches(self, step: ECStep, encoder_cache: dict[str, torch.Tensor]) -> None:
+        for key, num_embeds in step.loads.items():
+            if key not in encoder_cache:
+                encoder_cache[key] = self._load(key, num_embeds)
+
+    def _load(self, key: str, num_embeds: int) -> torch.Tensor:
+        needed_at = time.monotonic()
+        start = time.perf_counter()
+        found, source, overlap = None, "on_demand", None
+        item = self.prefetcher.claim(key) if self.prefetcher else None
+        if item is not None:
+            item.done.wait(self.settings.prefetch_wait_s)
+            found = item.result
+            if found is not None:
+                busy = item.ready_at - item.hinted_at
+                exposed = max(0.0, item.ready_at - needed_at)
+                source = "prefetch_late" if exposed > 0 else "prefetched"
+                overlap = 1.0 - exposed / busy if busy > 0 else 1.0
+        if found is None:
+            source = "on_demand"
+            try:
+                found = self.store.get(key)
+            except StoreError as err:
+                log.warning("epd-ec MM Store unreachable: %s", err)
+        seconds = time.perf_counter() - start
+        if found is None:
+            # The scheduler pinned it, so only a store failure gets here. The step must
+            # still run: zeros keep the batch going, and the failure is counted and
+            # logged loudly (the request's answer is not to be trusted).
+            log.error("epd-ec could not load pinned feature %s; using zeros", key)
+            self.recorder.count("load_failed")
+            return torch.zeros(num_embeds, self.hidden_size, dtype=self.dtype,
+                               device=self.device)
+        data, meta = found
+        self.recorder.count("loaded")
+        self.recorder.count(source)
+        self.recorder.get(data.nbytes, seconds, overlap)
+        timing = ""
+        if overlap is not None:  # transfer: hint -> local; scheduling: hint -> needed
+            timing = (f" transfer_ms={(item.ready_at - item.hinted_at) * 1e3:.2f}"
+                      f" sched_ms={(needed_at - item.hinted_at) * 1e3:.2f} overlap={overlap:.4f}")
+        log.info("epd-ec loaded mm_hash=%s bytes=%d source=%s wait_ms=%.2f%s", key,
+                 data.nbytes, source, seconds * 1e3, timing)
+        return to_tensor(data, meta, self.device)
+
+    def worker_meta(self) -> EPDECWorkerMeta | None:
+        data = self.recorder.take()
+        return EPDECWorkerMeta(data) if data is not None else None
+
+    def shutdown(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+        self.store.close()

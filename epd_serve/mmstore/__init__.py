@@ -1,0 +1,25 @@
+"""MM Store: a hash-keyed pool of encoder features shared by E, P, D and the proxy.
+
+`open_store(spec)` returns the client for the deployment's backend; backends are
+imported only when chosen (Mooncake's client needs its native library).
+"""
+
+from __future__ import annotations
+
+from epd_serve.mmstore.base import FeatureMeta, FeatureStore, StoreError
+from epd_serve.mmstore.spec import BACKENDS, StoreSpec
+
+
+def open_store(spec: StoreSpec, *, segment_bytes: int = 0) -> FeatureStore:
+    """A client of the deployment's store. `segment_bytes` > 0 makes a Mooncake client
+    lend that much of its own memory to the pool (ignored by the shm backend)."""
+    if spec.backend == "shm":
+        from epd_serve.mmstore.shm import ShmStore
+
+        return ShmStore(spec)
+    from epd_serve.mmstore.mooncake import MooncakeStore
+
+    return MooncakeStore(spec, segment_bytes=segment_bytes)
+
+
+__all__ = ["BACKENDS", "FeatureMeta", "FeatureStore", "StoreError", "StoreSpec", "open_store"]

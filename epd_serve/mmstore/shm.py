@@ -1,0 +1,172 @@
+"""Client of the node-local shared-memory store (shm_server.py).
+
+Used in E/P/D engine processes, the proxy and the benchmarks. The arena is mapped
+once, all of it; a get finds the feature in the directory and copies it out with no message to
+the server (shm_layout.py explains why that is safe), then reports the read without
+waiting. Puts, pins and deletes are round trips over one ZeroMQ DEALER socket.
+"""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+import threading
+import time
+
+import numpy as np
+import zmq
+
+from epd_serve.mmstore import shm_layout as layout
+from epd_serve.mmstore import shm_wire as wire
+from epd_serve.mmstore.base import FeatureMeta, FeatureStore, StoreError
+from epd_serve.mmstore.spec import StoreSpec
+
+READ_ATTEMPTS = 3  # a read torn by a concurrent eviction is retried, then a miss
+# Reads are reported to the server in batches: one message per read would wake the
+# server (and take a core from the reader) for every get.
+REPORT_EVERY = 32
+REPORT_AFTER_S = 0.2
+
+
+class ShmStore(FeatureStore):
+    name = "shm"
+
+    def __init__(self, spec: StoreSpec, timeout_s: float = 2.0):
+        self.spec = spec
+        self.timeout_ms = int(timeout_s * 1000)
+        self._lock = threading.Lock()
+        self._seq = itertools.count(1)
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(f"tcp://{spec.address}")
+        self._reads: list[wire.Request] = []
+        self._reported_at = time.monotonic()
+        try:
+            self._map_arena()
+        except BaseException:
+            self._sock.close()
+            self._ctx.term()
+            raise
+
+    def _map_arena(self) -> None:
+        """Map the server's arena; again after the server restarted (new arena)."""
+        welcome = self._call(wire.Hello(0))
+        if not isinstance(welcome, wire.Welcome):
+            raise StoreError(f"MM Store at {self.spec.address}: {welcome.reason}")
+        fd = os.open(welcome.arena_path, os.O_RDWR)
+        try:
+            # Map every page now (the server allocated them all): a first read of a
+            # feature then copies at memcpy speed instead of faulting page by page, which
+            # doubles its time. Costs 2 MiB of page tables per GiB, once per process.
+            self._arena = mmap.mmap(fd, welcome.arena_bytes,
+                                    flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        finally:
+            os.close(fd)
+        self._arena_id = welcome.arena_id
+        self._bytes = np.frombuffer(self._arena, dtype=np.uint8)
+        words = np.frombuffer(self._arena, dtype=np.uint64,
+                              count=welcome.nslots * layout.SLOT_WORDS)
+        self._directory = layout.Directory(words)
+
+    # -- transport -------------------------------------------------------------
+    def _call(self, req: wire.Request) -> wire.Reply:
+        with self._lock:
+            req.seq = next(self._seq)
+            self._sock.send(wire.encoder.encode(req))
+            while True:
+                if not self._sock.poll(self.timeout_ms):
+                    raise StoreError(f"MM Store at {self.spec.address} did not answer in "
+                                     f"{self.timeout_ms} ms; is the store server running?")
+                reply = wire.reply_decoder.decode(self._sock.recv())
+                if reply.seq == req.seq:
+                    return reply
+                # else: the late answer to a request that already timed out
+
+    def _tell(self, req: wire.Request) -> None:
+        with self._lock:
+            req.seq = next(self._seq)
+            self._sock.send(wire.encoder.encode(req))
+
+    def _report(self, read: wire.Request) -> None:
+        with self._lock:
+            self._reads.append(read)
+            now = time.monotonic()
+            if len(self._reads) < REPORT_EVERY and now - self._reported_at < REPORT_AFTER_S:
+                return
+            batch, self._reads, self._reported_at = self._reads, [], now
+        for req in batch:
+            self._tell(req)
+
+    # -- reads through the directory --------------------------------------------
+    def _read(self, key: str, with_bytes: bool) -> tuple[np.ndarray | None, FeatureMeta] | None:
+        for _ in range(READ_ATTEMPTS):
+            found = self._directory.find(key)
+            if found is None:
+                break
+            slot, row = found
+            start = row[layout.OFFSET]
+            meta_bytes = bytes(self._arena[start:start + row[layout.META_LEN]])
+            data = None
+            if with_bytes:
+                begin = start + layout.meta_span(row[layout.META_LEN])
+                data = self._bytes[begin:begin + row[layout.NBYTES]].copy()
+            if self._directory.still_valid(slot, row):
+                return data, FeatureMeta.decode(meta_bytes)
+        return None
+
+    # -- FeatureStore ------------------------------------------------------------
+    def put(self, key: str, data, meta: FeatureMeta) -> bool:
+        view = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
+        meta_bytes = meta.encode()
+        placed = self._call(wire.Reserve(0, key, view.nbytes, meta_bytes))
+        if isinstance(placed, wire.Placed) and placed.arena_id != self._arena_id:
+            # The server restarted since we mapped its arena: give the reservation
+            # back, map the new arena, then ask again.
+            self._call(wire.Abort(0, key))
+            self._map_arena()
+            placed = self._call(wire.Reserve(0, key, view.nbytes, meta_bytes))
+        if not isinstance(placed, wire.Placed) or placed.arena_id != self._arena_id:
+            return False
+        try:
+            start = placed.offset
+            self._arena[start:start + len(meta_bytes)] = meta_bytes
+            begin = start + layout.meta_span(len(meta_bytes))
+            self._bytes[begin:begin + view.nbytes] = view
+        except BaseException:
+            self._call(wire.Abort(0, key))
+            raise
+        return isinstance(self._call(wire.Commit(0, key)), wire.Done)
+
+    def get(self, key: str) -> tuple[np.ndarray, FeatureMeta] | None:
+        found = self._read(key, with_bytes=True)
+        self._report(wire.Touched(0, key) if found else wire.Missed(0, key))
+        return found
+
+    def lookup(self, key: str) -> FeatureMeta | None:
+        found = self._read(key, with_bytes=False)
+        return found[1] if found else None
+
+    def pin(self, key: str) -> FeatureMeta | None:
+        """Found in the directory, then held without waiting for the server. Until the
+        server has taken the hold, only a full turn of the LRU order could evict a
+        feature that was just found (it is the most recently used)."""
+        found = self._read(key, with_bytes=False)
+        if found is None:
+            return None
+        self._tell(wire.Hold(0, key))
+        return found[1]
+
+    def unpin(self, key: str) -> None:
+        self._tell(wire.Release(0, key))
+
+    def delete(self, key: str) -> bool:
+        return isinstance(self._call(wire.Delete(0, key)), wire.Done)
+
+    def close(self) -> None:
+        for req in self._reads:
+            self._tell(req)
+        self._sock.close()
+        self._ctx.term()
+        # Views of the mapping keep it open until they are collected; nothing else to do.

@@ -1,0 +1,180 @@
+"""The node-local shared-memory store server: `python -m epd_serve.mmstore.shm_server`.
+
+One process per node, started by the launcher. It owns the arena (a file in /dev/shm
+that clients map; layout in shm_layout.py) and the index (shm_index.py), and is the
+only writer of the directory. Clients talk to it over a ZeroMQ socket on 127.0.0.1 to
+reserve, commit, pin and delete; gets need no message. Counters are served as
+Prometheus metrics on the spec's metrics port.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import mmap
+import os
+import secrets
+import signal
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import zmq
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from epd_serve.mmstore import shm_layout as layout
+from epd_serve.mmstore import shm_wire as wire
+from epd_serve.mmstore.shm_index import Index
+from epd_serve.mmstore.spec import StoreSpec
+
+log = logging.getLogger("epd_serve.mmstore")
+
+SHM_DIR = Path("/dev/shm")
+
+
+def arena_path(spec: StoreSpec) -> Path:
+    return SHM_DIR / f"epd-mmstore-{spec.name}-{spec.port}"
+
+
+class _Metrics:
+    """Exposes the index's counters at scrape time (no double bookkeeping)."""
+
+    def __init__(self, index: Index):
+        self.index = index
+
+    def collect(self):
+        c = self.index.counters
+        for name, value, doc in (
+            ("puts", c.puts, "Features stored"),
+            ("put_bytes", c.put_bytes, "Bytes of features stored"),
+            ("hits", c.hits, "Lookups and gets that found the feature"),
+            ("misses", c.misses, "Lookups and gets that did not"),
+            ("evictions", c.evictions, "Features evicted to make room"),
+            ("evicted_bytes", c.evicted_bytes, "Bytes evicted"),
+            ("refused_full", c.refused_full, "Puts refused: everything else pinned"),
+        ):
+            yield CounterMetricFamily(f"epd_mmstore_{name}", doc, value=value)
+        yield GaugeMetricFamily("epd_mmstore_used_bytes", "Arena bytes in use",
+                                value=self.index.used_bytes)
+        yield GaugeMetricFamily("epd_mmstore_entries", "Features held",
+                                value=len(self.index.entries))
+        yield GaugeMetricFamily("epd_mmstore_capacity_bytes", "Arena size",
+                                value=self.index.capacity)
+
+
+class StoreServer:
+    def __init__(self, spec: StoreSpec):
+        self.spec = spec
+        self.arena_id = secrets.token_hex(8)
+        self.path = arena_path(spec)
+        nslots = layout.slot_count(spec.capacity_bytes)
+        start = layout.data_start(nslots)
+        size = start + spec.capacity_bytes
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            # The store's memory is taken at start, as Mooncake's segments are: a
+            # /dev/shm too small fails here, not at some later put.
+            os.posix_fallocate(fd, 0, size)
+            self.arena = mmap.mmap(fd, size)
+        except OSError as err:
+            os.close(fd)
+            self.path.unlink(missing_ok=True)
+            raise SystemExit(f"cannot take {size >> 20} MiB in {SHM_DIR} for the MM Store: "
+                             f"{err}; lower mm_store.capacity or enlarge {SHM_DIR}") from None
+        os.close(fd)
+        words = np.frombuffer(self.arena, dtype=np.uint64, count=nslots * layout.SLOT_WORDS)
+        self.index = Index(layout.Directory(words), start, spec.capacity_bytes)
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(f"tcp://{spec.host}:{spec.port}")
+        registry = CollectorRegistry()
+        registry.register(_Metrics(self.index))
+        # Reserve to commit: the client's copy into the arena plus one round trip.
+        self.put_seconds = Histogram(
+            "epd_mmstore_put_seconds", "Time from reserving space to committing a feature",
+            buckets=[0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1],
+            registry=registry)
+        self._reserved_at: dict[str, float] = {}
+        start_http_server(spec.metrics_port, addr=spec.host, registry=registry)
+
+    def handle(self, req: wire.Request) -> wire.Reply | None:
+        idx = self.index
+        match req:
+            case wire.Hello():
+                if req.version != wire.VERSION:
+                    return wire.Refused(req.seq, f"bad request: protocol {req.version}, "
+                                                 f"server speaks {wire.VERSION}")
+                return wire.Welcome(req.seq, self.arena_id, str(self.path), len(self.arena),
+                                    idx.directory.nslots)
+            case wire.Reserve():
+                placed = idx.reserve(req.key, req.nbytes, req.meta)
+                if isinstance(placed, str):
+                    return wire.Refused(req.seq, placed)
+                if len(self._reserved_at) > 10_000:  # clients that died before committing
+                    self._reserved_at.clear()
+                self._reserved_at[req.key] = time.perf_counter()
+                return wire.Placed(req.seq, self.arena_id, placed.offset)
+            case wire.Commit():
+                done = idx.commit(req.key)
+                if (reserved := self._reserved_at.pop(req.key, None)) is not None and done:
+                    self.put_seconds.observe(time.perf_counter() - reserved)
+                return wire.Done(req.seq) if done else wire.Refused(req.seq, "missing")
+            case wire.Abort():
+                self._reserved_at.pop(req.key, None)
+                idx.abort(req.key)
+                return wire.Done(req.seq)
+            case wire.Hold():
+                idx.acquire(req.key)
+            case wire.Release():
+                idx.release(req.key)
+            case wire.Touched():
+                idx.touch(req.key)
+            case wire.Missed():
+                idx.counters.misses += 1
+            case wire.Delete():
+                done = idx.delete(req.key)
+                return wire.Done(req.seq) if done else wire.Refused(req.seq, "missing")
+        return None
+
+    def serve_forever(self) -> None:
+        log.info("MM Store (shm) on %s, %d MiB arena %s, metrics :%d", self.spec.address,
+                 self.index.capacity >> 20, self.path, self.spec.metrics_port)
+        try:
+            while True:
+                # Poll with a timeout: a signal delivered to one of the metrics threads
+                # would not interrupt a blocking receive, and SIGTERM must stop us.
+                if not self.sock.poll(500):
+                    continue
+                ident, payload = self.sock.recv_multipart()
+                try:
+                    reply = self.handle(wire.request_decoder.decode(payload))
+                except Exception as err:  # a bad message must not take the store down
+                    log.warning("bad request: %s", err)
+                    reply = wire.Refused(-1, f"bad request: {err}")
+                if reply is not None:
+                    self.sock.send_multipart([ident, wire.encoder.encode(reply)])
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self.sock.close()
+        self.ctx.term()
+        self.path.unlink(missing_ok=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="epd-serve MM Store, shared-memory tier")
+    parser.add_argument("--spec", required=True, help="StoreSpec as JSON")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    server = StoreServer(StoreSpec.from_json(args.spec))
+    # SIGTERM from the launcher: leave the loop so the arena file is removed.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

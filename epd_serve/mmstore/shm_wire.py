@@ -1,0 +1,106 @@
+"""Messages between shared-memory store clients and the store server (msgpack).
+
+Only control travels here; feature bytes go through the mapped arena. Gets need no
+message at all (shm_layout.py): clients only report them afterwards (`Touched`,
+`Missed`) so the server keeps LRU order and counters. Every request carries a sequence
+number that its reply echoes: a reply that arrives after its request timed out is
+recognised and dropped.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+VERSION = 1
+
+
+class Hello(msgspec.Struct, tag=True):
+    seq: int
+    version: int = VERSION
+
+
+class Reserve(msgspec.Struct, tag=True):
+    seq: int
+    key: str
+    nbytes: int
+    meta: bytes
+
+
+class Commit(msgspec.Struct, tag=True):
+    seq: int
+    key: str
+
+
+class Abort(msgspec.Struct, tag=True):
+    seq: int
+    key: str
+
+
+class Hold(msgspec.Struct, tag=True):
+    """Pin a feature the client found in the directory (no reply: a consumer's
+    scheduler must not wait on the server, which a busy host may not run for a while)."""
+
+    seq: int
+    key: str
+
+
+class Release(msgspec.Struct, tag=True):
+    """Drop one pin (no reply)."""
+
+    seq: int
+    key: str
+
+
+class Touched(msgspec.Struct, tag=True):
+    """A client read the feature through the directory (no reply)."""
+
+    seq: int
+    key: str
+
+
+class Missed(msgspec.Struct, tag=True):
+    """A client looked for the feature and did not find it (no reply)."""
+
+    seq: int
+    key: str
+
+
+class Delete(msgspec.Struct, tag=True):
+    seq: int
+    key: str
+
+
+Request = Hello | Reserve | Commit | Abort | Hold | Release | Touched | Missed | Delete
+
+
+class Welcome(msgspec.Struct, tag=True):
+    seq: int
+    arena_id: str  # new for every server start: a restarted server has a new arena
+    arena_path: str
+    arena_bytes: int
+    nslots: int
+    version: int = VERSION
+
+
+class Placed(msgspec.Struct, tag=True):
+    seq: int
+    arena_id: str
+    offset: int  # where the meta goes; the bytes follow after it, 64-byte aligned
+
+
+class Refused(msgspec.Struct, tag=True):
+    """`exists`, `full`, `missing` or `bad request: ...`."""
+
+    seq: int
+    reason: str
+
+
+class Done(msgspec.Struct, tag=True):
+    seq: int
+
+
+Reply = Welcome | Placed | Refused | Done
+
+request_decoder = msgspec.msgpack.Decoder(Request)
+reply_decoder = msgspec.msgpack.Decoder(Reply)
+encoder = msgspec.msgpack.Encoder()

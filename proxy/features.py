@@ -1,0 +1,165 @@
+"""The images of a request as the MM Store sees them (runs in the proxy process).
+
+Each image gets a content key that E, P, D and the store agree on: the proxy sets it as
+the image's `uuid`, which vLLM then uses as the feature's hash. After the encoder (or
+the store, for an image seen before) has the feature, prefill and decode are sent a
+reference instead of the pixels: an `image_embeds` part holding only the placeholder
+metadata the encoder published (the image grid) plus the `uuid`, so they neither
+decode nor preprocess the image. A prefill instance is told the keys ahead of the
+request (prefetch hints) so it can pull the features while the request is on its way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+
+import msgspec
+import xxhash
+import zmq
+
+from epd_serve.mmstore import FeatureStore, StoreError, StoreSpec, open_store
+
+log = logging.getLogger("epd_serve.proxy.features")
+
+
+def image_parts(body: dict) -> list[dict]:
+    """The request's `image_url` parts, in prompt order."""
+    parts = []
+    for message in body.get("messages") or []:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):
+            parts += [p for p in content if isinstance(p, dict) and p.get("type") == "image_url"]
+    return parts
+
+
+def image_key(model: str, url: str) -> str:
+    """Content key of one image: the same bytes give the same key on every proxy."""
+    return xxhash.xxh3_128_hexdigest(f"{model}\0{url}".encode())
+
+
+def _url(part: dict) -> str | None:
+    image_url = part.get("image_url")
+    url = image_url.get("url") if isinstance(image_url, dict) else image_url
+    return url if isinstance(url, str) else None
+
+
+class Images:
+    """One request's images: keys, the bodies each stage gets, what the store knows."""
+
+    def __init__(self, body: dict, model: str):
+        self.body = copy.deepcopy(body)  # the client's body is never changed
+        self.parts = image_parts(self.body)
+        self.keys: list[str] = []
+        for part in self.parts:
+            url = _url(part)
+            if url is None:
+                raise ValueError("an image_url part has no url")
+            part["uuid"] = image_key(model, url)
+            self.keys.append(part["uuid"])
+        # key -> placeholder metadata (e.g. image_grid_thw), as the encoder published it
+        self.placeholders: dict[str, dict] = {}
+
+    @property
+    def pixel_body(self) -> dict:
+        """The request with its pixels, each image tagged with its key (the encoder's
+        body, and prefill's when it must recompute)."""
+        return self.body
+
+    def learn(self, ec_transfer_params: dict | None) -> None:
+        """Take the placeholder metadata the encoder published. Its entries are keyed by
+        vLLM's feature hash, which is our key unless the request carries processor
+        kwargs (vLLM then hashes them in); `item_indices` say which images they are."""
+        for item in (ec_transfer_params or {}).values():
+            if not (isinstance(item, dict) and isinstance(item.get("metadata"), dict)):
+                continue
+            for index in item.get("item_indices") or []:
+                if isinstance(index, int) and 0 <= index < len(self.keys):
+                    self.placeholders[self.keys[index]] = item["metadata"]
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.keys) and all(self.placeholders.get(k) for k in self.keys)
+
+    def reference_body(self) -> dict:
+        """The request with every image replaced by a reference to its stored feature."""
+        body = copy.deepcopy(self.body)
+        for part in image_parts(body):
+            key = part["uuid"]
+            part.clear()
+            part.update({"type": "image_embeds", "image_embeds": self.placeholders[key],
+                         "uuid": key})
+        return body
+
+
+class FeatureDirectory:
+    """The proxy's handle on the MM Store (lookups) and on prefill's prefetch listeners."""
+
+    def __init__(self, spec: StoreSpec, prefetch_endpoints: list[str]):
+        self.spec = spec
+        self._store: FeatureStore | None = None
+        self._ctx = zmq.Context()
+        self._hint_socks: dict[str, zmq.Socket] = {}
+        self._encode = msgspec.msgpack.Encoder()
+        # Connect now: a hint sent on a socket still connecting can arrive after the
+        # request it was meant to get ahead of.
+        for endpoint in prefetch_endpoints:
+            self._socket(endpoint)
+
+    def _socket(self, endpoint: str) -> zmq.Socket:
+        sock = self._hint_socks.get(endpoint)
+        if sock is None:
+            sock = self._hint_socks[endpoint] = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 1000)
+            sock.connect(f"tcp://{endpoint}")
+        return sock
+
+    def _client(self) -> FeatureStore:
+        if self._store is None:  # the store may come up after the proxy's first request
+            self._store = open_store(self.spec)
+        return self._store
+
+    async def stored(self, keys: list[str]) -> dict[str, dict]:
+        """key -> placeholder metadata for the keys the store holds now."""
+        def look() -> dict[str, dict]:
+            client = self._client()
+            found = {}
+            for key in keys:
+                meta = client.lookup(key)
+                if meta is not None and meta.placeholder:
+                    found[key] = meta.placeholder
+            return found
+
+        try:
+            # The shared-memory directory is read locally (microseconds); other backends
+            # ask a server, which must not block the event loop.
+            return look() if self.spec.backend == "shm" else await asyncio.to_thread(look)
+        except StoreError as err:
+            log.warning("MM Store lookup failed (%s); encoding as if nothing were stored", err)
+            return {}
+
+    async def drop(self, keys: list[str]) -> None:
+        """Delete features from the store (fault injection: a feature lost after E)."""
+        def delete() -> None:
+            for key in keys:
+                self._client().delete(key)
+
+        await asyncio.to_thread(delete)
+
+    def hint(self, endpoint: str | None, keys: list[str]) -> None:
+        """Tell a prefill instance which features to pull; never blocks or fails."""
+        if not endpoint or not keys:
+            return
+        try:
+            self._socket(endpoint).send(self._encode.encode(keys), zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # listener gone or far behind: the load reads the store itself
+
+    def close(self) -> None:
+        for sock in self._hint_socks.values():
+            sock.close()
+        self._ctx.term()
+        if self._store is not None:
+            self._store.close()

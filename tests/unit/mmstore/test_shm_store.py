@@ -1,0 +1,224 @@
+"""The shared-memory MM Store: the index's eviction and pin rules (pure), and the
+server with real clients in separate processes."""
+
+from __future__ import annotations
+
+import multiprocessing
+import subprocess
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+
+from epd_serve.mmstore import FeatureMeta, StoreError, StoreSpec, open_store
+from epd_serve.mmstore.service import store_processes
+from epd_serve.mmstore.shm_index import Index
+from epd_serve.mmstore.shm_layout import PAGE, SLOT_WORDS, Directory
+from epd_serve.mmstore.shm_server import arena_path
+
+from ...ports import free_port_block
+
+META = FeatureMeta((4, 8), "bfloat16", {"image_grid_thw": [1, 4, 4]})
+
+
+# -- the index, no processes ----------------------------------------------------------
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def index(pages: int, slots: int = 1024, clock=None) -> Index:
+    directory = Directory(np.zeros(slots * SLOT_WORDS, dtype=np.uint64))
+    return Index(directory, start=PAGE, capacity=pages * PAGE, clock=clock or Clock())
+
+
+def put(idx: Index, key: str, nbytes: int = PAGE - 64) -> bool:
+    entry = idx.reserve(key, nbytes, b"m")
+    return not isinstance(entry, str) and idx.commit(key)
+
+
+def test_full_store_evicts_least_recently_used_first():
+    idx = index(pages=3)
+    for key in "abc":
+        assert put(idx, key)
+    assert idx.lookup("a") is not None  # a is now the most recently used
+    assert put(idx, "d")
+    assert "b" not in idx.entries and set(idx.entries) == {"a", "c", "d"}
+    assert idx.counters.evictions == 1 and idx.used_bytes == 3 * PAGE
+
+
+def test_pinned_entries_are_never_evicted_and_a_full_pinned_store_refuses():
+    idx = index(pages=2)
+    assert put(idx, "a") and put(idx, "b")
+    idx.acquire("a")
+    idx.acquire("b")
+    assert idx.reserve("c", 100, b"m") == "full"
+    assert idx.counters.refused_full == 1
+    idx.release("a")
+    assert put(idx, "c") and "a" not in idx.entries and "b" in idx.entries
+
+
+def test_a_pin_lapses_when_its_holder_never_releases_it():
+    clock = Clock()
+    idx = index(pages=1, clock=clock)
+    assert put(idx, "a")
+    idx.acquire("a")
+    assert idx.reserve("b", 100, b"m") == "full"
+    clock.now += idx.hold_s + 1  # the client died holding the pin
+    assert put(idx, "b") and "a" not in idx.entries
+
+
+def test_freed_space_merges_so_a_large_feature_fits_again():
+    idx = index(pages=4)
+    for key in "abcd":
+        assert put(idx, key)
+    idx.delete("b")
+    idx.delete("c")
+    assert put(idx, "big", nbytes=2 * PAGE - 64)  # b and c's pages merged: no eviction
+    assert idx.counters.evictions == 0
+
+
+def test_delete_refuses_a_pinned_entry():
+    idx = index(pages=2)
+    assert put(idx, "a")
+    idx.acquire("a")
+    assert idx.delete("a") is False
+    idx.release("a")
+    assert idx.delete("a") is True and idx.delete("a") is False
+
+
+def test_directory_finds_committed_features_only_and_sees_eviction():
+    idx = index(pages=2)
+    entry = idx.reserve("a", 100, b"meta")
+    assert idx.directory.find("a") is None  # reserved, not yet committed
+    idx.commit("a")
+    slot, row = idx.directory.find("a")
+    assert slot == entry.slot
+    put(idx, "b")
+    put(idx, "c")  # evicts a
+    assert idx.directory.find("a") is None
+    assert not idx.directory.still_valid(slot, row)  # a reader mid-copy would retry
+
+
+def test_two_keys_for_one_slot_pair_evict_the_older_occupant():
+    idx = index(pages=8, slots=1)  # one slot: every key collides
+    assert put(idx, "a")
+    assert put(idx, "b")
+    assert "a" not in idx.entries and idx.directory.find("b") is not None
+
+
+# -- the server and its clients ---------------------------------------------------------
+@pytest.fixture(scope="module")
+def spec():
+    base = free_port_block(2, start=26000)
+    spec = StoreSpec(backend="shm", port=base, metrics_port=base + 1,
+                     capacity_bytes=8 << 20, name="unit")
+    server = start_server(spec)
+    yield spec
+    server.terminate()
+    server.wait(timeout=10)
+    assert not arena_path(spec).exists()  # the arena is removed on SIGTERM
+
+
+def metrics(spec) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{spec.metrics_port}/metrics").read()
+    return {line.split()[0]: float(line.split()[1]) for line in text.decode().splitlines()
+            if line.startswith("epd_mmstore_")}
+
+
+def _read_in_child(spec_json: str, key: str, queue) -> None:
+    with open_store(StoreSpec.from_json(spec_json)) as store:
+        found = store.get(key)
+        queue.put(None if found is None else (found[0].tobytes(), found[1]))
+
+
+def test_a_feature_put_by_one_process_is_read_by_another(spec):
+    data = np.random.default_rng(0).integers(0, 256, 300_000, dtype=np.uint8)
+    with open_store(spec) as store:
+        assert store.put("cross", data, META) is True
+        assert store.put("cross", data, META) is False  # already there
+        assert store.lookup("cross") == META
+    queue = multiprocessing.get_context("spawn").Queue()
+    child = multiprocessing.get_context("spawn").Process(
+        target=_read_in_child, args=(spec.to_json(), "cross", queue))
+    child.start()
+    got, meta = queue.get(timeout=60)
+    child.join(timeout=30)
+    assert got == data.tobytes() and meta == META
+
+
+def test_missing_keys_are_none_and_deletes_and_pins_work(spec):
+    with open_store(spec) as store:
+        assert store.get("nope") is None and store.lookup("nope") is None
+        assert store.pin("nope") is None
+        store.put("pinned", np.ones(1000, np.uint8), META)
+        assert store.pin("pinned") == META
+        assert store.delete("pinned") is False  # a consumer holds it (same connection:
+        # the server takes the hold before the delete)
+        store.unpin("pinned")
+        time.sleep(0.05)  # unpin is not acknowledged
+        assert store.delete("pinned") is True and store.get("pinned") is None
+
+
+def test_filling_past_capacity_evicts_and_never_fails(spec):
+    before = metrics(spec)
+    chunk = np.zeros(1 << 20, np.uint8)
+    with open_store(spec) as store:
+        for i in range(20):  # 20 MiB into 8 MiB
+            chunk[:8] = i
+            assert store.put(f"fill-{i}", chunk, META) is True
+        assert store.get("fill-0") is None
+        latest = store.get("fill-19")
+        assert latest is not None and latest[0][0] == 19
+    after = metrics(spec)
+    assert after["epd_mmstore_evictions_total"] - before["epd_mmstore_evictions_total"] >= 12
+    assert after["epd_mmstore_used_bytes"] <= 8 << 20
+    assert after["epd_mmstore_puts_total"] - before["epd_mmstore_puts_total"] == 20
+    assert after["epd_mmstore_put_seconds_count"] - before["epd_mmstore_put_seconds_count"] == 20
+
+
+def start_server(spec: StoreSpec) -> subprocess.Popen:
+    (proc,) = store_processes(spec)
+    server = subprocess.Popen(proc.command)
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            urllib.request.urlopen(proc.health_url, timeout=1).read()
+            return server
+        except OSError:
+            assert time.monotonic() < deadline and server.poll() is None, "store did not start"
+            time.sleep(0.1)
+
+
+def test_a_client_follows_the_store_server_through_a_restart():
+    base = free_port_block(2, start=26500)
+    spec = StoreSpec(backend="shm", port=base, metrics_port=base + 1, capacity_bytes=1 << 20,
+                     name="restart")
+    server = start_server(spec)
+    try:
+        with open_store(spec) as store:
+            assert store.put("before", np.full(100, 1, np.uint8), META)
+            server.terminate()
+            server.wait(timeout=10)
+            server = start_server(spec)  # same ports, a new (empty) arena
+            # The put lands in the new arena, not in the old mapping the client held.
+            assert store.put("after", np.full(100, 2, np.uint8), META)
+            data, _ = store.get("after")
+            assert (data == 2).all()
+            with open_store(spec) as fresh:
+                assert fresh.get("after")[0].tobytes() == data.tobytes()
+                assert fresh.get("before") is None
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
+def test_unreachable_store_raises_store_error_quickly():
+    start = time.monotonic()
+    with pytest.raises(StoreError):
+        open_store(StoreSpec(backend="shm", port=free_port_block(1, start=27000)))
+    assert time.monotonic() - start < 5

@@ -1,0 +1,152 @@
+"""The proxy with an MM Store, against fake instances and a real shared-memory store:
+image keys, references instead of pixels for prefill and decode, prefetch hints, the
+encoder skipped for images the store holds, and the pixel retry when a reference fails."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import time
+import urllib.request
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+from fastapi.testclient import TestClient
+
+from epd_serve.fake_server import ThreadedServer, create_fake_app
+from epd_serve.mmstore import FeatureMeta, StoreSpec, open_store
+from epd_serve.mmstore.service import store_processes
+from epd_serve.payloads import chat_body
+from epd_serve.proxy import ProxyConfig, create_app
+from epd_serve.proxy.features import image_key
+
+from ..ports import free_port_block
+
+IMAGE = "data:image/png;base64,iVBORw0KGgo="
+OTHER_IMAGE = "data:image/png;base64,iVBORw0KGgoAAAA="
+
+
+@pytest.fixture(scope="module")
+def store_spec():
+    base = free_port_block(3, start=28000)
+    spec = StoreSpec(backend="shm", port=base, metrics_port=base + 1, capacity_bytes=4 << 20,
+                     name="proxy-unit")
+    (proc,) = store_processes(spec)
+    server = subprocess.Popen(proc.command)
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            urllib.request.urlopen(proc.health_url, timeout=1).read()
+            break
+        except OSError:
+            assert time.monotonic() < deadline and server.poll() is None
+            time.sleep(0.1)
+    yield spec
+    server.terminate()
+    server.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def deployment(spec: StoreSpec, fault_injection: bool = False):
+    """Fake E, P and D behind a proxy with the store; yields the client, the apps and
+    a socket that receives prefill's prefetch hints."""
+    ctx = zmq.Context()
+    hints = ctx.socket(zmq.PULL)
+    hint_port = hints.bind_to_random_port("tcp://127.0.0.1")
+    with contextlib.ExitStack() as stack:
+        apps = {name: create_fake_app(name) for name in ("e0", "p1", "d2")}
+        urls = {name: stack.enter_context(ThreadedServer(app)).url for name, app in apps.items()}
+        config = ProxyConfig(
+            model="fake", mm_store=spec.to_json(), fault_injection=fault_injection,
+            health_interval_s=0.05, kv_protocol="epd", instances=[
+                {"name": "e0", "roles": "E", "url": urls["e0"]},
+                {"name": "p1", "roles": "P", "url": urls["p1"], "kv_endpoint": "127.0.0.1:30101",
+                 "prefetch_endpoint": f"127.0.0.1:{hint_port}"},
+                {"name": "d2", "roles": "D", "url": urls["d2"]}])
+        client = stack.enter_context(TestClient(create_app(config)))
+        deadline = time.monotonic() + 5
+        while not all(i["healthy"] for i in client.get("/status").json()["instances"]):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        try:
+            yield client, apps, hints
+        finally:
+            hints.close()
+            ctx.term()
+
+
+def parts(request: dict) -> list[dict]:
+    return request["body"]["messages"][0]["content"]
+
+
+def test_prefill_and_decode_get_references_and_prefill_a_hint_first(store_spec):
+    key = image_key("fake", IMAGE)
+    with deployment(store_spec) as (client, apps, hints):
+        resp = client.post("/v1/chat/completions",
+                           json=chat_body("fake", "what is this", [IMAGE], max_tokens=3))
+        assert resp.status_code == 200, resp.text
+        assert resp.headers["x-epd-stages"].startswith("E=e0:")
+        assert resp.headers["x-epd-stages"].endswith("IMG=ref")
+        (enc,), (pre,), (dec,) = (apps[n].state.requests for n in ("e0", "p1", "d2"))
+        # The encoder gets the pixels, tagged with the content key.
+        assert parts(enc)[0] == {"type": "image_url", "image_url": {"url": IMAGE}, "uuid": key}
+        # Prefill and decode get a reference: the key and the grid, no pixels.
+        reference = {"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 4, 4]},
+                     "uuid": key}
+        for request in (pre, dec):
+            assert parts(request)[0] == reference
+            assert IMAGE not in str(request["body"])
+        assert hints.poll(2000)
+        assert msgspec.msgpack.decode(hints.recv()) == [key]
+
+
+def test_an_image_the_store_holds_skips_the_encoder(store_spec):
+    key = image_key("fake", OTHER_IMAGE)
+    with open_store(store_spec) as store:
+        store.put(key, np.zeros(64, np.uint8),
+                  FeatureMeta((4, 16), "bfloat16", {"image_grid_thw": [1, 4, 4]}))
+    with deployment(store_spec) as (client, apps, _):
+        resp = client.post("/v1/chat/completions",
+                           json=chat_body("fake", "again", [OTHER_IMAGE], max_tokens=2))
+        assert resp.status_code == 200, resp.text
+        assert resp.headers["x-epd-stages"].startswith("E=store:")
+        assert apps["e0"].state.requests == []
+        assert parts(apps["p1"].state.requests[0])[0]["type"] == "image_embeds"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_failed_reference_is_sent_again_with_the_pixels(store_spec, stream):
+    with deployment(store_spec) as (client, apps, _):
+        apps["p1"].state.reject_references = True
+        body = chat_body("fake", f"lost feature {stream}", [IMAGE], max_tokens=2, stream=stream)
+        resp = client.post("/v1/chat/completions", json=body)
+        assert resp.status_code == 200, resp.text
+        assert resp.headers["x-epd-stages"].endswith("IMG=recompute")
+        first, second = apps["p1"].state.requests
+        assert parts(first)[0]["type"] == "image_embeds"
+        assert parts(second)[0]["image_url"] == {"url": IMAGE}  # prefill encodes it itself
+
+
+def test_dropped_features_are_injected_only_where_the_deployment_allows(store_spec):
+    body = chat_body("fake", "drop", ["data:image/png;base64,AAAA"], max_tokens=2)
+    key = image_key("fake", "data:image/png;base64,AAAA")
+    with open_store(store_spec) as store:
+        for allowed in (False, True):
+            store.put(key, np.zeros(64, np.uint8), FeatureMeta((4, 16), "bfloat16",
+                                                              {"image_grid_thw": [1, 4, 4]}))
+            with deployment(store_spec, fault_injection=allowed) as (client, _, _):
+                resp = client.post("/v1/chat/completions", json=body,
+                                   headers={"x-epd-fault": "drop-features"})
+                assert resp.status_code == 200
+            assert (store.lookup(key) is None) == allowed
+
+
+def test_an_image_part_without_a_url_is_a_400(store_spec):
+    body = chat_body("fake", "x", [IMAGE], max_tokens=2)
+    body["messages"][0]["content"][0] = {"type": "image_url", "image_url": {}}
+    with deployment(store_spec) as (client, apps, _):
+        resp = client.post("/v1/chat/completions", json=body)
+        assert resp.status_code == 400 and "url" in resp.json()["error"]["message"]
+        assert apps["e0"].state.requests == []
