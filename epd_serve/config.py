@@ -45,7 +45,8 @@ class MMStoreConfig(BaseModel):
     capacity: ByteSize = Field(ByteSize(2 << 30), description="Bytes of features kept; "
                                "least recently used ones are evicted beyond it, e.g. 2GiB.")
     port: int = Field(8990, description="Store server (shm) or Mooncake master RPC port.")
-    metrics_port: int = Field(8991, description="HTTP /metrics of the store.")
+    metrics_port: int = Field(8991, description="HTTP /metrics of the store (mooncake: the "
+                              "holder of the pool's memory also takes the next port).")
     prefetch_base_port: int = Field(
         8960, description="Prefill instances listen for prefetch hints on consecutive "
         "ports from here, in plan order.")
@@ -287,6 +288,8 @@ class ResolvedDeployment:
         if (store := self.mm_store) is not None:
             ports[store.port] = f"MM Store ({store.backend})"
             ports[store.metrics_port] = "MM Store metrics"
+            if store.backend == "mooncake":
+                ports[store.holder_port] = "MM Store memory holder (mooncake)"
         for launch in self.launches:
             ports[launch.port] = f"instance {launch.name}"
             if launch.prefetch_port is not None:

@@ -63,7 +63,10 @@ def master_command(spec: StoreSpec, master_binary: str = "mooncake_master") -> l
 
 def holder_command(spec: StoreSpec, client_binary: str = "mooncake_client") -> list[str]:
     """The process lending spec.capacity_bytes to the pool; start it after the master.
-    Its own RPC port serves only Mooncake's IPC clients, which we do not use: port 0."""
+    Its own service port serves only Mooncake's IPC clients, which we do not use, but it
+    also names the holder's abstract unix socket (`@mooncake_client_<port>.sock`, one
+    name per network namespace): a fixed port would keep a second deployment's holder
+    on the host from starting, so each deployment gives its own (`spec.holder_port`)."""
     return [
         client_binary,
         f"--host={spec.host}",
@@ -71,7 +74,7 @@ def holder_command(spec: StoreSpec, client_binary: str = "mooncake_client") -> l
         f"--master_server_address={spec.address}",
         f"--global_segment_size={spec.capacity_bytes}",
         f"--protocol={spec.protocol}",
-        "--port=0",
+        f"--port={spec.holder_port}",
     ]
 
 

@@ -1,9 +1,10 @@
 """Client of the node-local shared-memory store (shm_server.py).
 
 Used in E/P/D engine processes, the proxy and the benchmarks. The arena is mapped
-once, all of it; a get finds the feature in the directory and copies it out with no message to
-the server (shm_layout.py explains why that is safe), then reports the read without
-waiting. Puts, pins and deletes are round trips over one ZeroMQ DEALER socket.
+once, all of it; a get finds the feature in the directory and copies it out with no
+message to the server (shm_layout.py explains why that is safe), then reports the read
+without waiting; a pin is a lookup plus an unanswered message. Puts and deletes are
+round trips over one ZeroMQ DEALER socket.
 """
 
 from __future__ import annotations

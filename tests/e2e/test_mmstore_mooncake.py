@@ -14,7 +14,9 @@ from epd_serve.payloads import chat_body, image_data_url, make_image
 
 @pytest.fixture(scope="module")
 def dep(deployments):
-    return deployments.get("e-p-d.yaml", mm_store={"backend": "mooncake"})
+    yield deployments.get("e-p-d.yaml", mm_store={"backend": "mooncake"})
+    # No later test uses it: give its cores and memory back to the tests that follow.
+    deployments.stop()
 
 
 def test_features_travel_through_mooncake_store_and_repeats_skip_the_encoder(dep):

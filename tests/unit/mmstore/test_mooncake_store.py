@@ -42,7 +42,7 @@ def test_commands_bind_the_spec_host_and_enable_eviction():
     assert holder[0] == "mooncake_client"
     assert {"--host=10.0.0.5", "--master_server_address=10.0.0.5:7000",
             f"--global_segment_size={3 << 30}", "--protocol=rdma",
-            "--metadata_server=P2PHANDSHAKE"} <= set(holder)
+            "--metadata_server=P2PHANDSHAKE", "--port=7002"} <= set(holder)
     assert not any("0.0.0.0" in f for f in master + holder)
 
 
@@ -77,7 +77,7 @@ def spec(tmp_path_factory):
     if extra and os.environ.get("EPD_ALLOW_HOST_NETWORK") != "1":
         pytest.fail(f"this network namespace has {extra}: run through scripts/test.sh "
                     "or scripts/in-netns.sh (loopback only)")
-    base = free_port_block(2, start=23000)
+    base = free_port_block(3, start=23000)
     spec = StoreSpec(backend="mooncake", host="127.0.0.1", port=base, metrics_port=base + 1,
                      capacity_bytes=64 * MiB)
     logs = tmp_path_factory.mktemp("mooncake")
