@@ -35,8 +35,24 @@ log = logging.getLogger("epd_serve.mmstore")
 SHM_DIR = Path("/dev/shm")
 
 
-def arena_path(spec: StoreSpec) -> Path:
-    return SHM_DIR / f"epd-mmstore-{spec.name}-{spec.port}"
+ARENA_PREFIX = "epd-mmstore-"
+
+
+def arena_path(spec: StoreSpec, pid: int | None = None) -> Path:
+    """The arena's file; it names the server's pid so that a server killed before it
+    could remove its file is recognised (see `remove_stale_arenas`)."""
+    return SHM_DIR / f"{ARENA_PREFIX}{spec.name}-{spec.port}-{pid or os.getpid()}"
+
+
+def remove_stale_arenas() -> list[Path]:
+    """Delete arenas whose server is gone (killed with SIGKILL): they hold memory."""
+    removed = []
+    for path in SHM_DIR.glob(f"{ARENA_PREFIX}*"):
+        pid = path.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
 
 
 class _Metrics:
@@ -69,6 +85,8 @@ class StoreServer:
     def __init__(self, spec: StoreSpec):
         self.spec = spec
         self.arena_id = secrets.token_hex(8)
+        for stale in remove_stale_arenas():
+            log.info("removed %s, left by a server that was killed", stale)
         self.path = arena_path(spec)
         nslots = layout.slot_count(spec.capacity_bytes)
         start = layout.data_start(nslots)

@@ -54,6 +54,8 @@ def make_dep(tmp_path: Path, notation: str = "E-P-D", **extra):
     fields = dict(name="fake", deployment=notation, model=str(fake_model(tmp_path)),
                   served_model_name="fake", proxy_port=base, base_port=base + 10,
                   kv_base_port=base + 30, work_dir=str(tmp_path / "work"),
+                  mm_store={"capacity": "16MiB", "port": base + 20, "metrics_port": base + 21,
+                            "prefetch_base_port": base + 24},
                   health_timeout_s=60, **extra)
     return config.resolve(config.Deployment(**fields), tmp_path)
 
@@ -170,7 +172,7 @@ def test_launcher_gives_up_after_max_restarts(tmp_path):
     launcher.start()
     try:
         launcher.wait_healthy()
-        child = launcher.children[0]
+        child = next(c for c in launcher.children if c.name == "e0")
         os.killpg(child.process.pid, signal.SIGKILL)
         child.process.wait()
         (event,) = launcher.supervise_once()

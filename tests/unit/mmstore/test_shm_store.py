@@ -121,7 +121,7 @@ def spec():
     yield spec
     server.terminate()
     server.wait(timeout=10)
-    assert not arena_path(spec).exists()  # the arena is removed on SIGTERM
+    assert not arena_path(spec, server.pid).exists()  # the arena is removed on SIGTERM
 
 
 def metrics(spec) -> dict[str, float]:
@@ -222,3 +222,19 @@ def test_unreachable_store_raises_store_error_quickly():
     with pytest.raises(StoreError):
         open_store(StoreSpec(backend="shm", port=free_port_block(1, start=27000)))
     assert time.monotonic() - start < 5
+
+
+def test_an_arena_left_by_a_killed_server_is_removed_by_the_next_one():
+    base = free_port_block(2, start=26700)
+    spec = StoreSpec(backend="shm", port=base, metrics_port=base + 1, capacity_bytes=1 << 20,
+                     name="killed")
+    first = start_server(spec)
+    first.kill()  # SIGKILL: no chance to clean up
+    first.wait(timeout=10)
+    assert arena_path(spec, first.pid).exists()
+    second = start_server(spec)
+    try:
+        assert not arena_path(spec, first.pid).exists()
+    finally:
+        second.terminate()
+        second.wait(timeout=10)
