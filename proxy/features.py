@@ -24,14 +24,19 @@ from epd_serve.mmstore import FeatureStore, StoreError, StoreSpec, open_store
 log = logging.getLogger("epd_serve.proxy.features")
 
 
-def image_parts(body: dict) -> list[dict]:
-    """The request's `image_url` parts, in prompt order."""
+def all_parts(body: dict) -> list[dict]:
+    """Every content part of the request's messages, in prompt order."""
     parts = []
     for message in body.get("messages") or []:
         content = message.get("content") if isinstance(message, dict) else None
         if isinstance(content, list):
-            parts += [p for p in content if isinstance(p, dict) and p.get("type") == "image_url"]
+            parts += [p for p in content if isinstance(p, dict)]
     return parts
+
+
+def image_parts(body: dict) -> list[dict]:
+    """The request's `image_url` parts, in prompt order."""
+    return [p for p in all_parts(body) if p.get("type") == "image_url"]
 
 
 def image_key(model: str, url: str) -> str:
@@ -60,6 +65,8 @@ class Images:
             self.keys.append(part["uuid"])
         # key -> placeholder metadata (e.g. image_grid_thw), as the encoder published it
         self.placeholders: dict[str, dict] = {}
+        self.only_images = all(p.get("type") in ("text", "image_url")
+                               for p in all_parts(self.body))
 
     @property
     def pixel_body(self) -> dict:
@@ -71,12 +78,15 @@ class Images:
         """Take the placeholder metadata the encoder published. Its entries are keyed by
         vLLM's feature hash, which is our key unless the request carries processor
         kwargs (vLLM then hashes them in); `item_indices` say which images they are."""
-        for item in (ec_transfer_params or {}).values():
+        for identifier, item in (ec_transfer_params or {}).items():
             if not (isinstance(item, dict) and isinstance(item.get("metadata"), dict)):
                 continue
-            for index in item.get("item_indices") or []:
-                if isinstance(index, int) and 0 <= index < len(self.keys):
-                    self.placeholders[self.keys[index]] = item["metadata"]
+            if identifier in self.keys:
+                self.placeholders[identifier] = item["metadata"]
+            elif self.only_images:  # the indices count every item, images or not
+                for index in item.get("item_indices") or []:
+                    if isinstance(index, int) and 0 <= index < len(self.keys):
+                        self.placeholders[self.keys[index]] = item["metadata"]
 
     @property
     def complete(self) -> bool:
