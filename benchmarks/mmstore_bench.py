@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from epd_serve import deploy  # noqa: E402
 from epd_serve.mmstore import FeatureMeta, StoreSpec, open_store  # noqa: E402
-from epd_serve.mmstore.service import store_processes  # noqa: E402
+from epd_serve.mmstore.service import StartedStore  # noqa: E402
 from epd_serve.payloads import chat_body, image_data_url, make_image  # noqa: E402
 from epd_serve.proxy.features import image_key  # noqa: E402
 
@@ -52,35 +52,6 @@ ROWS = {"280x280": 100, "560x560": 400, "640x960": 529, "720x1280": 1196,
         "1080x1920": 2691, "4096x3112": 16206}
 LOADED_RE = re.compile(r"epd-ec loaded mm_hash=(\S+) bytes=(\d+) source=(\w+) wait_ms=[\d.]+"
                        r"(?: transfer_ms=([\d.]+) sched_ms=([\d.]+) overlap=([\d.]+))?")
-
-
-# -- store processes -------------------------------------------------------------------
-class StoreService:
-    """The store's processes, started and stopped as the launcher does."""
-
-    def __init__(self, spec: StoreSpec, log_dir: Path):
-        import subprocess
-
-        self.procs = []
-        log_dir.mkdir(parents=True, exist_ok=True)
-        for proc in store_processes(spec):
-            log = open(log_dir / f"{proc.name}.log", "wb")
-            self.procs.append(subprocess.Popen(proc.command, stdout=log, stderr=log))
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    if httpx.get(proc.health_url, timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline or self.procs[-1].poll() is not None:
-                    raise RuntimeError(f"{proc.name} did not start; see {log_dir}")
-                time.sleep(0.2)
-
-    def close(self) -> None:
-        for proc in reversed(self.procs):
-            proc.terminate()
-            proc.wait(timeout=30)
 
 
 # -- the consumer process ---------------------------------------------------------------
@@ -320,7 +291,7 @@ def main() -> int:
                          capacity_bytes=capacity, name="bench")
         segment = capacity if backend == "mooncake" else 0
         console.print(f"[bold]{backend}[/]: starting the store")
-        service = StoreService(spec, out / "logs")
+        service = StartedStore(spec, out / "logs", timeout_s=60)
         try:
             store_rows[backend] = put_get(spec, rows, args.repeats, segment)
             handoffs[f"ours ({backend})"] = handoff_ours(spec, rows, args.repeats, segment,

@@ -17,16 +17,14 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import statistics
-import subprocess
 import sys
 import time
-import urllib.request
 
 import torch
 
 from epd_serve.connectors.epd_ec.codec import HostStaging, to_bytes, to_tensor
 from epd_serve.mmstore import StoreSpec, open_store
-from epd_serve.mmstore.service import store_processes
+from epd_serve.mmstore.service import StartedStore
 
 ROWS = {"280x280": 100, "560x560": 400, "640x960": 529, "720x1280": 1196,
         "1080x1920": 2691, "4096x3112": 16206}
@@ -58,17 +56,7 @@ def main() -> int:
     print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
     spec = StoreSpec(backend="shm", port=args.port, metrics_port=args.port + 1,
                      capacity_bytes=1 << 30, name="cuda-check")
-    (proc,) = store_processes(spec)
-    server = subprocess.Popen(proc.command)
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            urllib.request.urlopen(proc.health_url, timeout=1).read()
-            break
-        except OSError:
-            if time.monotonic() > deadline or server.poll() is not None:
-                raise SystemExit("the store server did not start")
-            time.sleep(0.1)
+    store_service = StartedStore(spec)
     ctx = multiprocessing.get_context("spawn")
     mine, theirs = ctx.Pipe()
     child = ctx.Process(target=_consumer, args=(spec.to_json(), theirs))
@@ -116,8 +104,7 @@ def main() -> int:
     finally:
         mine.send(None)
         child.join(timeout=60)
-        server.terminate()
-        server.wait(timeout=30)
+        store_service.close()
     print(f"values intact on the consumer's GPU: {ok}")
     return 0 if ok else 1
 

@@ -19,55 +19,45 @@ class Hello(msgspec.Struct, tag=True):
     version: int = VERSION
 
 
-class Reserve(msgspec.Struct, tag=True):
+class _OnKey(msgspec.Struct):
+    """A request about one feature."""
+
     seq: int
     key: str
+
+
+class Reserve(_OnKey, tag=True):
     nbytes: int
     meta: bytes
 
 
-class Commit(msgspec.Struct, tag=True):
-    seq: int
-    key: str
+class Commit(_OnKey, tag=True):
+    pass
 
 
-class Abort(msgspec.Struct, tag=True):
-    seq: int
-    key: str
+class Abort(_OnKey, tag=True):
+    pass
 
 
-class Hold(msgspec.Struct, tag=True):
+class Hold(_OnKey, tag=True):
     """Pin a feature the client found in the directory (no reply: a consumer's
     scheduler must not wait on the server, which a busy host may not run for a while)."""
 
-    seq: int
-    key: str
 
-
-class Release(msgspec.Struct, tag=True):
+class Release(_OnKey, tag=True):
     """Drop one pin (no reply)."""
 
-    seq: int
-    key: str
 
-
-class Touched(msgspec.Struct, tag=True):
+class Touched(_OnKey, tag=True):
     """A client read the feature through the directory (no reply)."""
 
-    seq: int
-    key: str
 
-
-class Missed(msgspec.Struct, tag=True):
+class Missed(_OnKey, tag=True):
     """A client looked for the feature and did not find it (no reply)."""
 
-    seq: int
-    key: str
 
-
-class Delete(msgspec.Struct, tag=True):
-    seq: int
-    key: str
+class Delete(_OnKey, tag=True):
+    pass
 
 
 Request = Hello | Reserve | Commit | Abort | Hold | Release | Touched | Missed | Delete

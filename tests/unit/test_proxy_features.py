@@ -5,9 +5,7 @@ encoder skipped for images the store holds, and the pixel retry when a reference
 from __future__ import annotations
 
 import contextlib
-import subprocess
 import time
-import urllib.request
 
 import msgspec
 import numpy as np
@@ -17,7 +15,7 @@ from fastapi.testclient import TestClient
 
 from epd_serve.fake_server import ThreadedServer, create_fake_app
 from epd_serve.mmstore import FeatureMeta, StoreSpec, open_store
-from epd_serve.mmstore.service import store_processes
+from epd_serve.mmstore.service import StartedStore
 from epd_serve.payloads import chat_body
 from epd_serve.proxy import ProxyConfig, create_app
 from epd_serve.proxy.features import image_key
@@ -33,19 +31,8 @@ def store_spec():
     base = free_port_block(3, start=28000)
     spec = StoreSpec(backend="shm", port=base, metrics_port=base + 1, capacity_bytes=4 << 20,
                      name="proxy-unit")
-    (proc,) = store_processes(spec)
-    server = subprocess.Popen(proc.command)
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            urllib.request.urlopen(proc.health_url, timeout=1).read()
-            break
-        except OSError:
-            assert time.monotonic() < deadline and server.poll() is None
-            time.sleep(0.1)
-    yield spec
-    server.terminate()
-    server.wait(timeout=10)
+    with StartedStore(spec):
+        yield spec
 
 
 @contextlib.contextmanager

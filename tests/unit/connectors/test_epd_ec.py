@@ -4,9 +4,7 @@ vLLM requests are stood in for by the few fields the connector reads."""
 
 from __future__ import annotations
 
-import subprocess
 import time
-import urllib.request
 from types import SimpleNamespace
 
 import msgspec
@@ -20,7 +18,7 @@ from epd_serve.connectors.epd_ec.scheduler import EPDECScheduler
 from epd_serve.connectors.epd_ec.settings import Settings
 from epd_serve.connectors.epd_ec.codec import to_bytes, to_tensor
 from epd_serve.mmstore import FeatureMeta, StoreSpec, open_store
-from epd_serve.mmstore.service import store_processes
+from epd_serve.mmstore.service import StartedStore
 
 from ...ports import free_port_block
 
@@ -32,19 +30,8 @@ def spec():
     base = free_port_block(2, start=29000)
     spec = StoreSpec(backend="shm", port=base, metrics_port=base + 1, capacity_bytes=8 << 20,
                      name="ec-unit")
-    (proc,) = store_processes(spec)
-    server = subprocess.Popen(proc.command)
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            urllib.request.urlopen(proc.health_url, timeout=1).read()
-            break
-        except OSError:
-            assert time.monotonic() < deadline and server.poll() is None
-            time.sleep(0.1)
-    yield spec
-    server.terminate()
-    server.wait(timeout=10)
+    with StartedStore(spec):
+        yield spec
 
 
 def scheduler(spec, producer=False, consumer=True) -> EPDECScheduler:

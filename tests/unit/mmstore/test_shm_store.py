@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from epd_serve.mmstore import FeatureMeta, StoreError, StoreSpec, open_store
-from epd_serve.mmstore.service import store_processes
+from epd_serve.mmstore.service import StartedStore
 from epd_serve.mmstore.shm_index import Index
 from epd_serve.mmstore.shm_layout import PAGE, SLOT_WORDS, Directory
 from epd_serve.mmstore.shm_server import arena_path
@@ -182,16 +182,8 @@ def test_filling_past_capacity_evicts_and_never_fails(spec):
 
 
 def start_server(spec: StoreSpec) -> subprocess.Popen:
-    (proc,) = store_processes(spec)
-    server = subprocess.Popen(proc.command)
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            urllib.request.urlopen(proc.health_url, timeout=1).read()
-            return server
-        except OSError:
-            assert time.monotonic() < deadline and server.poll() is None, "store did not start"
-            time.sleep(0.1)
+    (server,) = StartedStore(spec).processes
+    return server
 
 
 def test_a_client_follows_the_store_server_through_a_restart():
