@@ -1,14 +1,16 @@
-"""The `epd-serve` command line: topology, model, up, down, launch, demo, bench.
+"""The `epd-serve` command line: topology, model, up, down, launch, status, demo, bench.
 
 Runs in the user's shell. Heavy imports (torch, transformers, matplotlib) happen inside
 the subcommand that needs them, so `epd-serve --help` and `topology` stay instant.
-Every error a user can cause ends as one line on stderr and exit code 2.
+Every error a user can cause ends as one line on stderr and exit code 2; a proxy that
+`status` cannot reach or read ends the same way with exit code 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 from pathlib import Path
@@ -102,6 +104,108 @@ def cmd_launch(args) -> int:
     return 0
 
 
+DEFAULT_PROXY_URL = "http://127.0.0.1:8000"
+STATUS_TIMEOUT_S = 3.0  # a proxy that takes longer is as good as down to someone watching
+PIPED_WIDTH = 200
+
+
+class ProxyUnreachable(Exception):
+    """The proxy's /status could not be fetched or read."""
+
+
+def fetch_status(base_url: str, api_key: str | None = None) -> dict:
+    import httpx
+
+    url = base_url.rstrip("/") + "/status"
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else None
+    try:
+        resp = httpx.get(url, timeout=STATUS_TIMEOUT_S, headers=headers)
+    except httpx.HTTPError as err:
+        raise ProxyUnreachable(f"cannot reach the proxy at {url}: "
+                               f"{str(err) or type(err).__name__}") from None
+    if resp.status_code != 200:
+        raise ProxyUnreachable(f"{url} answered HTTP {resp.status_code}: {resp.text[:200]}")
+    try:
+        status = resp.json()
+    except ValueError:
+        raise ProxyUnreachable(f"{url} did not answer JSON: {resp.text[:200]!r}") from None
+    if not isinstance(status, dict):
+        raise ProxyUnreachable(f"{url} answered {type(status).__name__}, expected an object")
+    return status
+
+
+def _status_target(args) -> tuple[str, str | None]:
+    """The proxy's URL, and its client key where the deployment names one."""
+    if args.config and args.url:
+        raise ValueError("give a deployment file or --url, not both")
+    if args.config:
+        from epd_serve import deploy
+
+        dep = deploy.load(args.config)
+        key_env = dep.config.proxy.api_key_env
+        return dep.proxy_url, os.environ.get(key_env) if key_env else None
+    return args.url or DEFAULT_PROXY_URL, os.environ.get("EPD_API_KEY")
+
+
+def cmd_status(args) -> int:
+    import time
+
+    from rich.console import Console, Group
+    from rich.live import Live
+    from rich.text import Text
+
+    from epd_serve.status_view import render
+
+    url, api_key = _status_target(args)
+    if args.watch is not None and args.watch <= 0:
+        raise ValueError("--watch takes a positive number of seconds")
+    try:
+        status = fetch_status(url, api_key)
+    except ProxyUnreachable as err:
+        print(f"epd-serve: error: {err}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(status, indent=None if args.watch else 2))
+        try:
+            while args.watch:
+                time.sleep(args.watch)
+                try:
+                    print(json.dumps(fetch_status(url, api_key)), flush=True)
+                except ProxyUnreachable as err:
+                    print(f"epd-serve: error: {err}", file=sys.stderr)
+        except KeyboardInterrupt:
+            pass
+        return 0
+    console = Console()
+    if not console.is_terminal:
+        # Piped into a file or a pager: no terminal to fit, keep every column whole.
+        console = Console(width=PIPED_WIDTH)
+    if not args.watch:
+        console.print(render(status, console.width))
+        return 0
+
+    def view(status: dict, problem: str | None) -> Group:
+        # While the proxy is away the last table stays up, marked stale.
+        stamp = time.strftime("%H:%M:%S")
+        footer = (Text(f"{stamp} {problem}; showing the last answer", style="bold red")
+                  if problem else
+                  Text(f"{url} at {stamp}, every {args.watch:g} s; Ctrl-C stops", style="dim"))
+        return Group(render(status, console.width), footer)
+
+    try:
+        with Live(view(status, None), console=console, auto_refresh=False) as live:
+            while True:
+                time.sleep(args.watch)
+                try:
+                    status, problem = fetch_status(url, api_key), None
+                except ProxyUnreachable as err:
+                    problem = str(err)
+                live.update(view(status, problem), refresh=True)
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
 def cmd_demo(args) -> int:
     from epd_serve.demo import run_demo
 
@@ -147,6 +251,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write a bash script that starts the whole deployment")
     p.add_argument("-o", "--output", help="file for --emit-shell (default: stdout)")
     p.set_defaults(func=cmd_launch)
+
+    p = sub.add_parser("status", help="the proxy's live instance table")
+    p.add_argument("config", nargs="?", help="deployment file; its proxy is asked")
+    p.add_argument("--url", help=f"proxy base URL instead of a file (default {DEFAULT_PROXY_URL})")
+    p.add_argument("--watch", type=float, metavar="SECONDS",
+                   help="refresh every SECONDS until Ctrl-C")
+    p.add_argument("--json", action="store_true", help="print the proxy's raw JSON")
+    p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("demo", help="bring up E-P-D on the CPU, show each stage, run a short load")
     p.add_argument("--config", default="configs/cpu/e-p-d.yaml")

@@ -24,6 +24,7 @@ from epd_serve.hal import (
 )
 from epd_serve.kv_protocols import get_protocol
 from epd_serve.mmstore.spec import StoreSpec
+from epd_serve.proxy.config import ProxySettings
 
 ArgValue = str | int | float | bool | None
 
@@ -86,6 +87,8 @@ class Deployment(BaseModel):
     )
     mm_store: MMStoreConfig = Field(default_factory=MMStoreConfig,
                                     description="The MM Store (encoder features E -> P).")
+    proxy: ProxySettings = Field(default_factory=ProxySettings, description="The proxy: "
+                                 "routing policy per stage, request limits, keys.")
     devices: list[int] | None = Field(
         None, description="Physical device ids, in plan order; default 0..N-1."
     )

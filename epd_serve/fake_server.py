@@ -21,7 +21,7 @@ import uuid
 import httpx
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 
 def create_fake_app(name: str = "fake", ttft_ms: float = 0.0, itl_ms: float = 0.0,
@@ -32,6 +32,18 @@ def create_fake_app(name: str = "fake", ttft_ms: float = 0.0, itl_ms: float = 0.
     app.state.break_streams = False  # cut streamed answers off after the headers (a crash)
     # Fail requests that carry image references (a prefill whose feature went missing).
     app.state.reject_references = False
+    app.state.delay_s = 0.0  # extra time before answering (a slow engine)
+    app.state.active = 0  # requests being answered, reported on /metrics like vLLM's
+    app.state.reported_load = None  # (running, waiting, kv_usage) to report instead
+    app.state.cancelled = []  # request ids whose client went away before the answer
+
+    @app.get("/metrics")
+    async def metrics():
+        running, waiting, kv = app.state.reported_load or (app.state.active, 0, 0.0)
+        text = (f'vllm:num_requests_running{{model_name="{name}"}} {running}\n'
+                f'vllm:num_requests_waiting{{model_name="{name}"}} {waiting}\n'
+                f'vllm:kv_cache_usage_perc{{model_name="{name}"}} {kv}\n')
+        return PlainTextResponse(text)
 
     @app.get("/health")
     async def health():
@@ -51,6 +63,23 @@ def create_fake_app(name: str = "fake", ttft_ms: float = 0.0, itl_ms: float = 0.
         return app.state.requests
 
     async def generate(request: Request, kind: str):
+        app.state.active += 1
+        try:
+            return await answer(request, kind)
+        finally:
+            app.state.active -= 1
+
+    async def wait_or_notice_disconnect(request: Request, seconds: float) -> bool:
+        """Sleep like an engine computing; True if the client left meanwhile."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if await request.is_disconnected():
+                app.state.cancelled.append(request.headers.get("x-request-id"))
+                return True
+            await asyncio.sleep(min(0.01, max(0.0, deadline - time.monotonic())))
+        return False
+
+    async def answer(request: Request, kind: str):
         body = await request.json()
         request_id = request.headers.get("x-request-id")
         app.state.requests.append({"path": request.url.path, "body": body,
@@ -87,11 +116,18 @@ def create_fake_app(name: str = "fake", ttft_ms: float = 0.0, itl_ms: float = 0.
                 return {"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": None}
             return {"index": 0, "text": f"t{i} ", "finish_reason": None}
 
+        if app.state.delay_s and not body.get("stream"):
+            if await wait_or_notice_disconnect(request, app.state.delay_s):
+                return JSONResponse({"error": {"message": "client gone"}}, status_code=499)
         if body.get("stream"):
             async def events():
                 if app.state.break_streams:
                     raise RuntimeError(f"{name} breaks its stream on purpose")
-                await asyncio.sleep(ttft_ms / 1e3)
+                try:
+                    await asyncio.sleep(ttft_ms / 1e3 + app.state.delay_s)
+                except asyncio.CancelledError:
+                    app.state.cancelled.append(request_id)
+                    raise
                 for i in range(n):
                     if i:
                         await asyncio.sleep(itl_ms / 1e3)

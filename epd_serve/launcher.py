@@ -30,7 +30,7 @@ from epd_serve.hal import InstanceLaunch, Platform, get_platform
 from epd_serve.kv_protocols import get_protocol
 from epd_serve.mmstore.service import store_processes
 from epd_serve.proctree import KILL_WAIT_S, TAG_ENV, ProcessTree, kill_trees, plural
-from epd_serve.proxy.state import InstanceEntry, ProxyConfig
+from epd_serve.proxy.config import InstanceEntry, ProxyConfig
 from epd_serve.tinymodel import is_model_dir
 
 STOP_GRACE_S = 20.0
@@ -82,6 +82,11 @@ def preflight(dep: ResolvedDeployment, platform: Platform) -> None:
         raise LaunchError(str(err)) from None
 
 
+def roster_path(dep: ResolvedDeployment) -> Path:
+    """Where the proxy keeps its live roster: across its own restarts, not across `up`."""
+    return dep.work_dir / "proxy-roster.json"
+
+
 def proxy_config(dep: ResolvedDeployment) -> ProxyConfig:
     """The proxy's typed view of the deployment, KV hand-off and MM Store included."""
     instances = []
@@ -97,6 +102,8 @@ def proxy_config(dep: ResolvedDeployment) -> ProxyConfig:
                                        prefetch_endpoint=prefetch))
     store = dep.mm_store
     return ProxyConfig(
+        **dep.config.proxy.model_dump(),
+        roster_path=str(roster_path(dep)),
         model=dep.launches[0].served_model_name,
         host=dep.config.host,
         port=dep.config.proxy_port,
@@ -192,6 +199,7 @@ class Launcher:
         for launch in self.dep.launches:
             children.append(self._instance_child(launch))
         proxy_json = self.dep.work_dir / "proxy.json"
+        roster_path(self.dep).unlink(missing_ok=True)  # a new deployment: the file's roster
         proxy_json.write_text(proxy_config(self.dep).model_dump_json(indent=2))
         children.append(
             Child(

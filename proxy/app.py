@@ -1,165 +1,343 @@
-"""The request router: an OpenAI-compatible FastAPI app in front of E, P and D instances.
+"""The request router: an OpenAI-compatible aiohttp app in front of E, P and D instances.
 
 Runs in its own process (`python -m epd_serve.proxy --config proxy.json`, started by
 the launcher). `create_app(config)` builds everything; there are no module globals.
+aiohttp serves and sends (one library, little CPU per request) and msgspec parses;
+a request is checked by guards.py before any engine sees it, served by pipeline.py,
+and answered here: every failure becomes an OpenAI-style error with a status.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import hmac
 import logging
+import os
+import re
 import time
+import uuid
 
-import httpx
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+import aiohttp
+import msgspec
+from aiohttp import web
+from pydantic import ValidationError
 
-from epd_serve.proxy.pipeline import Pipeline
-from epd_serve.proxy.state import InstanceTable, ProxyConfig
-from epd_serve.proxy.upstream import ProxyError
+from epd_serve.proxy.config import InstanceEntry, ProxyConfig
+from epd_serve.proxy.errors import ProxyError, bad_request
+from epd_serve.proxy.features import image_parts
+from epd_serve.proxy.guards import check_request
+from epd_serve.proxy.membership import Membership, load_roster
+from epd_serve.proxy.metrics import ProxyMetrics
+from epd_serve.proxy.pipeline import Pipeline, Request
+from epd_serve.proxy.remote_media import RemoteFetcher
+from epd_serve.proxy.routing import Roster, Router, eligible
+from epd_serve.proxy.state import InstanceTable
+from epd_serve.proxy.trip import Trip
+from epd_serve.proxy.upstream import Upstream
 
-logger = logging.getLogger("epd_serve.proxy")
+log = logging.getLogger("epd_serve.proxy")
+request_log = logging.getLogger("epd_serve.proxy.requests")
 
 STAGES_HEADER = "x-epd-stages"
+REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,96}$")
+PROXY = web.AppKey("proxy", object)  # the running Proxy, for tests that look inside
+GENERATE_ROUTES = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
+# Engines answer /health and /metrics; instances call back /v1/metaserver.
+OPEN_PATHS = {"/health", "/metrics", "/v1/metaserver"}
 
 
-async def _check_health(inst, client: httpx.AsyncClient, unhealthy_after: int) -> None:
-    """An instance that refuses connections is down at once (its process is gone); one
-    that answers slowly or with an error is down after `unhealthy_after` checks in a
-    row, since a busy engine can miss a single poll while it is still serving."""
-    try:
-        resp = await client.get(inst.entry.url + "/health", timeout=5.0)
-        ok, refused = resp.status_code == 200, False
-    except httpx.ConnectError as err:
-        ok, refused = False, True
-        inst.last_error = f"health: {type(err).__name__}"
-    except httpx.HTTPError as err:
-        ok, refused = False, False
-        inst.last_error = f"health: {type(err).__name__}"
-    inst.health_failures = 0 if ok else inst.health_failures + 1
-    healthy = ok or (inst.healthy and not refused and inst.health_failures < unhealthy_after)
-    if healthy != inst.healthy:
-        logger.info("instance %s is now %s", inst.name, "healthy" if healthy else "DOWN")
-        if healthy:
-            inst.incarnation += 1  # it may be a restarted engine: forget what we knew
-    inst.healthy = healthy
+class Proxy:
+    """Everything one proxy holds while it runs."""
 
+    def __init__(self, config: ProxyConfig):
+        self.config = config
+        self.table = InstanceTable()
+        for entry, source in load_roster(config):
+            self.table.add(entry, source)
+        self.metrics = ProxyMetrics()
+        self.router = Router(lambda: self.table.instances, {
+            "E": config.routing.E, "P": config.routing.P, "D": config.routing.D})
+        self.api_key = os.environ.get(config.api_key_env) if config.api_key_env else None
+        self.admin_key = os.environ.get(config.admin_key_env) if config.admin_key_env else None
+        self.fetcher = RemoteFetcher(config.limits) if config.limits.allow_remote_urls else None
+        self.session: aiohttp.ClientSession | None = None
+        self.pipeline: Pipeline | None = None
+        self.membership: Membership | None = None
 
-async def _poll_health(table: InstanceTable, client: httpx.AsyncClient, interval: float,
-                       unhealthy_after: int) -> None:
-    """Keep the status table's health column current; an instance that stops answering
-    is skipped by routing until it answers again."""
-    while True:
-        await asyncio.gather(*(_check_health(i, client, unhealthy_after)
-                               for i in table.instances))
-        await asyncio.sleep(interval)
-
-
-async def _read_body(request: Request) -> dict:
-    raw = await request.body()
-    try:
-        body = json.loads(raw)
-    except ValueError as err:
-        raise ProxyError(400, f"request body is not valid JSON: {err}",
-                         "invalid_request_error") from None
-    if not isinstance(body, dict):
-        raise ProxyError(400, "request body must be a JSON object", "invalid_request_error")
-    return body
-
-
-def create_app(config: ProxyConfig) -> FastAPI:
-    table = InstanceTable(config.instances)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
-        timeout = httpx.Timeout(config.request_timeout_s, connect=10.0)
+    async def start(self) -> None:
         # Drop idle connections before the instances do (uvicorn closes them after 5 s),
         # so a request is rarely sent on a connection that is being closed.
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=512,
-                              keepalive_expiry=2.0)
-        async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-            app.state.pipeline = Pipeline(table, client, config)
-            poller = asyncio.create_task(_poll_health(table, client, config.health_interval_s,
-                                                      config.unhealthy_after))
-            try:
-                yield
-            finally:
-                poller.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await poller
-                app.state.pipeline.close()
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0)
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10.0,
+                                        sock_read=self.config.request_timeout_s)
+        self.session = aiohttp.ClientSession(connector=connector, timeout=timeout,
+                                             auto_decompress=False)
+        upstream = Upstream(self.router, self.session, self.metrics)
+        self.pipeline = Pipeline(self.table, self.router, upstream, self.config)
+        self.membership = Membership(self.table, self.session, self.metrics, self.config)
+        self.membership.save()
+        self.membership.start()
 
-    app = FastAPI(title="epd-serve proxy", lifespan=lifespan)
-    app.state.table = table
-    app.state.config = config
+    async def stop(self) -> None:
+        await self.membership.stop()
+        self.pipeline.close()
+        if self.fetcher is not None:
+            await self.fetcher.close()
+        await self.session.close()
 
-    @app.exception_handler(ProxyError)
-    async def _proxy_error(request: Request, err: ProxyError):
-        if err.status >= 500:
-            logger.warning("%s %s -> %d: %s", request.method, request.url.path, err.status,
-                           err.message)
-        return JSONResponse(err.to_body(), status_code=err.status)
 
-    async def generate(request: Request, path: str, required: str) -> object:
-        body = await _read_body(request)
-        if not isinstance(body.get(required), (list, str)) or not body.get(required):
-            raise ProxyError(400, f"'{required}' is required and must not be empty",
-                             "invalid_request_error")
-        pipeline: Pipeline = request.app.state.pipeline
-        start = time.perf_counter()
-        fault = request.headers.get("x-epd-fault")
-        if body.get("stream"):
-            trip, stream = await pipeline.open_stream(path, body, fault)
-            logger.info("%s mm=%s %s", trip.request_id, trip.multimodal, trip.header())
-            return StreamingResponse(
-                stream, media_type="text/event-stream",
-                headers={STAGES_HEADER: trip.header(), "x-request-id": trip.request_id},
-            )
-        trip, result = await pipeline.complete(path, body, fault)
-        logger.info("%s mm=%s %s total=%.1fms", trip.request_id, trip.multimodal, trip.header(),
-                    (time.perf_counter() - start) * 1e3)
-        return JSONResponse(
-            result, headers={STAGES_HEADER: trip.header(), "x-request-id": trip.request_id}
-        )
+def _authorized(request: web.Request, key: str | None) -> bool:
+    if key is None:
+        return True
+    given = request.headers.get("authorization", "")
+    token = given[7:] if given.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
+    return hmac.compare_digest(token.encode(), key.encode())
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await generate(request, "/v1/chat/completions", "messages")
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await generate(request, "/v1/completions", "prompt")
+def _error_response(err: ProxyError) -> web.Response:
+    headers = {"retry-after": "2"} if err.status == 503 else None
+    return web.json_response(err.to_body(), status=err.status, headers=headers,
+                             dumps=lambda o: msgspec.json.encode(o).decode())
 
-    @app.post("/v1/metaserver")
-    async def metaserver(request: Request):
+
+def create_app(config: ProxyConfig) -> web.Application:
+    proxy = Proxy(config)
+
+    @web.middleware
+    async def errors(request: web.Request, handler):
+        """Every failure is an OpenAI-style error with a status; nothing escapes."""
+        try:
+            admin_route = request.path.startswith("/instances") and request.method != "GET"
+            if request.path not in OPEN_PATHS and not admin_route \
+                    and not _authorized(request, proxy.api_key):
+                raise ProxyError(401, "missing or wrong API key (Authorization: Bearer ...)",
+                                 "authentication_error", reason="unauthorized")
+            return await handler(request)
+        except ProxyError as err:
+            proxy.metrics.failures.labels(err.reason).inc()
+            if err.status >= 500:
+                log.warning("%s %s -> %d: %s", request.method, request.path, err.status,
+                            err.message)
+            return _error_response(err)
+        except web.HTTPRequestEntityTooLarge:
+            proxy.metrics.failures.labels("body_too_large").inc()
+            return _error_response(bad_request(
+                f"request body is larger than {config.limits.max_body_bytes} bytes "
+                "(proxy.limits.max_body_bytes)",
+                "body_too_large", 413))
+        except web.HTTPException:
+            raise
+        except Exception as err:  # a bug of ours: say so instead of dropping the request
+            log.exception("%s %s failed", request.method, request.path)
+            proxy.metrics.failures.labels("internal").inc()
+            return _error_response(ProxyError(500, f"proxy error: {type(err).__name__}: {err}",
+                                              reason="internal"))
+
+    app = web.Application(client_max_size=config.limits.max_body_bytes,
+                          middlewares=[errors])
+    app[PROXY] = proxy
+
+    async def lifespan(app: web.Application):
+        await proxy.start()
+        yield
+        await proxy.stop()
+
+    app.cleanup_ctx.append(lifespan)
+
+    async def generate(request: web.Request) -> web.StreamResponse:
+        arrived = time.perf_counter()
+        raw = await request.read()
+        try:
+            body = msgspec.json.decode(raw)
+        except msgspec.DecodeError as err:
+            raise bad_request(f"request body is not valid JSON: {err}", "malformed") from None
+        pixels_by_url: dict[str, int] = {}
+        remote = check_request(body, request.path, config.limits, pixels_by_url)
+        if remote:
+            if proxy.fetcher is None:  # check_request refuses them: defence in depth
+                raise bad_request("remote media URLs are off in this deployment",
+                                  "remote_url_disabled")
+            await proxy.fetcher.inline(remote)
+        given_id = request.headers.get("x-request-id", "")
+        req = Request(
+            path=request.path, body=body,
+            request_id=given_id if REQUEST_ID.match(given_id) else f"epd-{uuid.uuid4().hex}",
+            image_pixels=_image_pixels(body, pixels_by_url), text_chars=_text_chars(body),
+            fault=request.headers.get("x-epd-fault"))
+        metrics = proxy.metrics
+        metrics.requests_in_flight.inc()
+        trip: Trip | None = None
+        status = 500
+        try:
+            trip, result = await proxy.pipeline.run(req)
+            headers = {STAGES_HEADER: trip.header(), "x-request-id": req.request_id}
+            if not req.stream:
+                status = 200
+                _observe_transfer(metrics, trip)
+                return web.Response(body=msgspec.json.encode(result), headers=headers,
+                                    content_type="application/json")
+            response = web.StreamResponse(headers=headers)
+            response.content_type = "text/event-stream"
+            status = 200
+            await _relay(request, response, result, metrics, trip, arrived)
+            return response
+        except ProxyError as err:
+            status = err.status
+            raise
+        except asyncio.CancelledError:
+            status = 499  # the client went away: every hop was closed on the way out
+            raise
+        finally:
+            metrics.requests_in_flight.dec()
+            modality = "multimodal" if trip and trip.multimodal else "text"
+            metrics.requests.labels(modality, str(status)).inc()
+            request_log.info(msgspec.json.encode({
+                "request_id": req.request_id, "path": req.path, "status": status,
+                "stream": req.stream, "modality": modality,
+                "stages": trip.header() if trip else "", "retries": trip.retries if trip else 0,
+                "ms": round((time.perf_counter() - arrived) * 1e3, 2)}).decode())
+
+    async def metaserver(request: web.Request) -> web.Response:
         """Decode instances of the ascend-layerwise hand-off report their blocks here."""
-        pipeline: Pipeline = request.app.state.pipeline
-        return await pipeline.handoff.metaserver(await _read_body(request))
+        try:
+            body = msgspec.json.decode(await request.read())
+        except msgspec.DecodeError:
+            raise bad_request("metaserver body is not JSON", "malformed") from None
+        if not isinstance(body, dict):
+            raise bad_request("metaserver body must be a JSON object", "malformed")
+        return web.json_response(await proxy.pipeline.handoff.metaserver(body))
 
-    @app.get("/v1/models")
-    async def models():
-        return {
-            "object": "list",
-            "data": [{"id": config.model, "object": "model", "owned_by": "epd-serve"}],
-        }
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": config.model, "object": "model", "owned_by": "epd-serve"}]})
 
-    @app.get("/health")
-    async def health():
-        missing = [s for s in ("P", "D") if not table.candidates(s)]
+    async def health(request: web.Request) -> web.Response:
+        instances = proxy.table.instances
+        roster = Roster.of(instances)
+        final = ("P", "D") if roster.split else ("PD",)
+        missing = [hop for hop in final if not eligible(instances, hop)]
         if missing:
-            return JSONResponse(
-                {"status": "unavailable", "stages_without_healthy_instance": missing},
-                status_code=503,
-            )
-        if table.encoders() and not table.candidates("E"):
-            # Still serving: prefill instances encode images themselves meanwhile.
-            return {"status": "degraded", "stages_without_healthy_instance": ["E"]}
-        return {"status": "ok"}
+            return web.json_response({"status": "unavailable",
+                                      "stages_without_healthy_instance": missing}, status=503)
+        if roster.encoders and not eligible(instances, "E"):
+            # Text is served; requests with images get a 503 until an encoder is back.
+            return web.json_response({"status": "degraded",
+                                      "stages_without_healthy_instance": ["E"]})
+        return web.json_response({"status": "ok"})
 
-    @app.get("/status")
-    async def status():
-        return {"model": config.model, "instances": table.to_dict()}
+    async def status(request: web.Request) -> web.Response:
+        return web.json_response({
+            "model": config.model,
+            "policies": {hop: p.name for hop, p in proxy.router.policies.items()},
+            "instances": proxy.table.to_dict()})
 
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(body=proxy.metrics.render(),
+                            headers={"content-type": "text/plain; version=0.0.4"})
+
+    def require_admin(request: web.Request) -> None:
+        if proxy.admin_key is None:
+            raise ProxyError(403, f"instance registration is off: set {config.admin_key_env} "
+                             "in the proxy's environment to enable it", "permission_error",
+                             reason="admin_disabled")
+        if not _authorized(request, proxy.admin_key):
+            raise ProxyError(401, "missing or wrong admin key", "authentication_error",
+                             reason="unauthorized")
+
+    async def list_instances(request: web.Request) -> web.Response:
+        return web.json_response(proxy.table.to_dict())
+
+    async def add_instance(request: web.Request) -> web.Response:
+        require_admin(request)
+        try:
+            entry = InstanceEntry.model_validate_json(await request.read())
+        except ValidationError as err:
+            first = err.errors()[0]
+            where = ".".join(str(p) for p in first["loc"]) or "body"
+            raise bad_request(f"invalid instance: {where}: {first['msg']}", "malformed") from None
+        try:
+            inst = proxy.membership.register(entry)
+        except KeyError:
+            raise ProxyError(409, f"an instance named {entry.name!r} is already registered",
+                             "invalid_request_error", reason="duplicate") from None
+        return web.json_response(inst.to_dict(), status=201)
+
+    async def remove_instance(request: web.Request) -> web.Response:
+        require_admin(request)
+        name = request.match_info["name"]
+        try:
+            inst = proxy.membership.deregister(name)
+        except KeyError:
+            raise ProxyError(404, f"no instance named {name!r}", "invalid_request_error",
+                             reason="unknown_instance") from None
+        return web.json_response(inst.to_dict())
+
+    for path in GENERATE_ROUTES:
+        app.router.add_post(path, generate)
+    app.router.add_post("/v1/metaserver", metaserver)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/status", status)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/instances", list_instances)
+    app.router.add_post("/instances", add_instance)
+    app.router.add_delete("/instances/{name}", remove_instance)
     return app
+
+
+async def _relay(request: web.Request, response: web.StreamResponse, stream, metrics,
+                 trip: Trip, arrived: float) -> None:
+    """Pass the answer on as it comes, timing the first event and the ones after it.
+    If the client leaves, the write fails (or the handler is cancelled) and closing the
+    stream closes the instance's connection, which makes its engine abort."""
+    first = last = None
+    events = 0
+    async with contextlib.aclosing(stream):
+        await response.prepare(request)
+        async for chunk in stream:
+            now = time.perf_counter()
+            if first is None:
+                first = now
+            events += chunk.count(b"data: ")
+            last = now
+            await response.write(chunk)
+    await response.write_eof()
+    final = next((s.instance for s in reversed(trip.stages) if s.stage in ("D", "PD")), "?")
+    if first is not None:
+        metrics.first_token_seconds.labels(final).observe(first - arrived)
+        if events > 2:  # the last event is [DONE]
+            metrics.token_seconds.labels(final).observe((last - first) / (events - 2))
+
+
+def _observe_transfer(metrics: ProxyMetrics, trip: Trip) -> None:
+    """The KV hand-off's own timing, where its answer reports one (non-streamed)."""
+    transfer_ms = (trip.kv or {}).get("transfer_ms")
+    decode = next((s.instance for s in trip.stages if s.stage == "D" and not s.failed), None)
+    if isinstance(transfer_ms, (int, float)) and decode:
+        metrics.transfer_seconds.labels(decode).observe(transfer_ms / 1e3)
+
+
+def _image_pixels(body: dict, pixels_by_url: dict[str, int]) -> list[int]:
+    """Pixels of each image_url part (0 where unknown), as the guards found them."""
+    pixels = []
+    for part in image_parts(body):
+        image_url = part.get("image_url")
+        url = image_url.get("url") if isinstance(image_url, dict) else image_url
+        pixels.append(pixels_by_url.get(url, 0))
+    return pixels
+
+
+def _text_chars(body: dict) -> int:
+    prompt = body.get("prompt")
+    if prompt is not None:
+        return len(prompt) * (4 if isinstance(prompt, list) and prompt
+                              and isinstance(prompt[0], int) else 1)
+    chars = 0
+    for message in body.get("messages") or ():
+        content = message.get("content")
+        if isinstance(content, str):
+            chars += len(content)
+        elif isinstance(content, list):
+            chars += sum(len(p.get("text") or "") for p in content if p.get("type") == "text")
+    return chars

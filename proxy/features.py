@@ -12,7 +12,6 @@ request (prefetch hints) so it can pull the features while the request is on its
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 
 import msgspec
@@ -50,43 +49,72 @@ def _url(part: dict) -> str | None:
     return url if isinstance(url, str) else None
 
 
+def _replace_images(body: dict, replace) -> dict:
+    """A copy of `body` whose image parts are `replace(index, part)`; only the messages
+    and content lists on the way to an image are copied, never the rest of the body."""
+    index = 0
+    messages = []
+    for message in body.get("messages") or []:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "image_url"
+                                             for p in content):
+            new_content = []
+            for part in content:
+                if isinstance(part, dict) and part.get("type") == "image_url":
+                    part = replace(index, part)
+                    index += 1
+                new_content.append(part)
+            message = {**message, "content": new_content}
+        messages.append(message)
+    return {**body, "messages": messages}
+
+
+# Request fields an encoder needs besides the images: they change the feature.
+ENCODER_FIELDS = ("model", "mm_processor_kwargs")
+
+
 class Images:
-    """One request's images: keys, the bodies each stage gets, what the store knows."""
+    """One request's images: keys, the bodies each stage gets, what the encoders said."""
 
     def __init__(self, body: dict, model: str):
-        self.body = copy.deepcopy(body)  # the client's body is never changed
-        self.parts = image_parts(self.body)
         self.keys: list[str] = []
-        for part in self.parts:
+        for part in image_parts(body):
             url = _url(part)
             if url is None:
                 raise ValueError("an image_url part has no url")
-            part["uuid"] = image_key(model, url)
-            self.keys.append(part["uuid"])
+            self.keys.append(image_key(model, url))
+        # The request with its pixels, each image tagged with its key (the client's body
+        # is not changed): what prefill gets when it must encode itself.
+        self.pixel_body = _replace_images(body, lambda i, part: {**part, "uuid": self.keys[i]})
+        self.parts = image_parts(self.pixel_body)
         # key -> placeholder metadata (e.g. image_grid_thw), as the encoder published it
         self.placeholders: dict[str, dict] = {}
-        self.only_images = all(p.get("type") in ("text", "image_url")
-                               for p in all_parts(self.body))
+        self.ec_params: dict = {}  # every encoder's ec_transfer_params, merged
 
-    @property
-    def pixel_body(self) -> dict:
-        """The request with its pixels, each image tagged with its key (the encoder's
-        body, and prefill's when it must recompute)."""
-        return self.body
+    def encoder_body(self, indices: list[int]) -> dict:
+        """The request an encoder runs for some of the images: just those images."""
+        body = {k: self.pixel_body[k] for k in ENCODER_FIELDS if k in self.pixel_body}
+        body["messages"] = [{"role": "user", "content": [self.parts[i] for i in indices]}]
+        return single_token_fields(body)
 
-    def learn(self, ec_transfer_params: dict | None) -> None:
-        """Take the placeholder metadata the encoder published. Its entries are keyed by
-        vLLM's feature hash, which is our key unless the request carries processor
-        kwargs (vLLM then hashes them in); `item_indices` say which images they are."""
-        for identifier, item in (ec_transfer_params or {}).items():
+    def learn(self, ec_transfer_params: dict | None, indices: list[int]) -> None:
+        """Take what the encoder published for the images `indices` it was sent. Its
+        entries are keyed by vLLM's feature hash, which is our key unless the request
+        carries processor kwargs (vLLM then hashes them in); `item_indices` then say
+        which of the images sent it is."""
+        if not isinstance(ec_transfer_params, dict):
+            return
+        self.ec_params.update(ec_transfer_params)
+        sent = [self.keys[i] for i in indices]
+        for identifier, item in ec_transfer_params.items():
             if not (isinstance(item, dict) and isinstance(item.get("metadata"), dict)):
                 continue
-            if identifier in self.keys:
+            if identifier in sent:
                 self.placeholders[identifier] = item["metadata"]
-            elif self.only_images:  # the indices count every item, images or not
-                for index in item.get("item_indices") or []:
-                    if isinstance(index, int) and 0 <= index < len(self.keys):
-                        self.placeholders[self.keys[index]] = item["metadata"]
+                continue
+            for index in item.get("item_indices") or []:
+                if isinstance(index, int) and 0 <= index < len(sent):
+                    self.placeholders[sent[index]] = item["metadata"]
 
     @property
     def complete(self) -> bool:
@@ -94,13 +122,14 @@ class Images:
 
     def reference_body(self) -> dict:
         """The request with every image replaced by a reference to its stored feature."""
-        body = copy.deepcopy(self.body)
-        for part in image_parts(body):
-            key = part["uuid"]
-            part.clear()
-            part.update({"type": "image_embeds", "image_embeds": self.placeholders[key],
-                         "uuid": key})
-        return body
+        return _replace_images(self.pixel_body, lambda i, part: {
+            "type": "image_embeds", "image_embeds": self.placeholders[self.keys[i]],
+            "uuid": self.keys[i]})
+
+
+def single_token_fields(body: dict) -> dict:
+    """A stage that only encodes or prefills: one token, not streamed."""
+    return {**body, "max_tokens": 1, "stream": False}
 
 
 class FeatureDirectory:

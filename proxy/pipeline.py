@@ -1,159 +1,188 @@
-"""One request's trip through the stages: E, then prefill and decode.
+"""One request's trip through the stages, read straight down: plan the stages, encode
+the images (or take them from the MM Store), then prefill and decode.
 
-Runs inside the proxy process (asyncio). An image request first gets its features: from
-the MM Store when it already holds every image (the encoder is skipped), else from the
-encoder, which puts them there. Prefill is then hinted to prefetch them, and prefill
-and decode get references instead of pixels (proxy/features.py). A merged
-prefill+decode instance answers directly; otherwise the deployment's KV hand-off
-(proxy/handoff/) runs prefill and decode. If prefill fails on a reference (its feature
-went missing), the request is run once more with the pixels: prefill recomputes.
+Runs inside the proxy process (asyncio). routing.plan_stages decides the hops; the
+images go to the encoders at once (encoding.py), which put their features in the MM
+Store; prefill is hinted to prefetch them, and prefill and decode get references
+instead of pixels (features.py). A merged prefill+decode instance answers directly;
+otherwise the deployment's KV hand-off (handoff/) runs prefill and decode. If prefill
+fails on a reference (its feature went missing), the request runs once more with the
+pixels: prefill recomputes.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-import httpx
-
 from epd_serve.mmstore import StoreSpec
+from epd_serve.proxy.config import ProxyConfig
+from epd_serve.proxy.encoding import Encoder, NoEncoder
+from epd_serve.proxy.errors import ProxyError
 from epd_serve.proxy.features import FeatureDirectory, Images
 from epd_serve.proxy.handoff import make_handoff
-from epd_serve.proxy.state import InstanceState, InstanceTable, ProxyConfig
-from epd_serve.proxy.upstream import (
-    ProxyError,
-    StageRecord,
-    Trip,
-    Upstream,
-    final_stage,
-    single_token,
-)
+from epd_serve.proxy.routing import Roster, RouteRequest, Router, StagePlan, plan_stages
+from epd_serve.proxy.state import InstanceTable
+from epd_serve.proxy.trip import StageRecord, Trip
+from epd_serve.proxy.upstream import Upstream
 
-MULTIMODAL_PART_TYPES = {"image_url", "image", "input_image", "video_url", "video", "image_embeds"}
+IMAGE_PARTS = {"image_url"}
+OTHER_MEDIA_PARTS = {"image", "input_image", "video_url", "video", "input_audio", "audio_url",
+                     "image_embeds"}
+# Qwen-VL: one prompt token per 28x28 pixels after the 2x2 merge; text: ~4 chars a token.
+PIXELS_PER_TOKEN = 28 * 28
+CHARS_PER_TOKEN = 4
 
-__all__ = ["Pipeline", "ProxyError", "Trip", "is_multimodal"]
+__all__ = ["Pipeline", "Request"]
 
 
-def is_multimodal(body: dict) -> bool:
-    """True when any chat message carries an image or video part."""
-    for message in body.get("messages") or []:
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, list):
-            for part in content:
-                if isinstance(part, dict) and part.get("type") in MULTIMODAL_PART_TYPES:
-                    return True
-    return False
+@dataclasses.dataclass
+class Request:
+    """A request the guards admitted."""
+
+    path: str
+    body: dict
+    request_id: str
+    image_pixels: list[int]  # per image_url part, in prompt order (0: unknown)
+    text_chars: int
+    fault: str | None = None
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.body.get("stream"))
 
 
 @dataclasses.dataclass
 class Prepared:
     """A request ready for prefill and decode."""
 
-    trip: Trip
     body: dict  # what prefill and decode get: image references where possible
-    prefill: list[InstanceState]
     pixel_body: dict | None = None  # the fallback when `body` holds references
 
 
+def media_kinds(body: dict) -> tuple[int, bool]:
+    """(image_url parts, whether other media parts are present) of a chat request."""
+    images, other = 0, False
+    for message in body.get("messages") or ():
+        content = message.get("content")
+        if isinstance(content, list):
+            for part in content:
+                kind = part.get("type")
+                images += kind in IMAGE_PARTS
+                other = other or kind in OTHER_MEDIA_PARTS
+    return images, other
+
+
 class Pipeline:
-    def __init__(self, table: InstanceTable, client: httpx.AsyncClient, config: ProxyConfig):
+    def __init__(self, table: InstanceTable, router: Router, upstream: Upstream,
+                 config: ProxyConfig):
         self.table = table
-        self.model = config.model
-        self.upstream = Upstream(table, client)
-        self.handoff = make_handoff(config.kv_protocol, self.upstream, config)
-        self.fault_injection = config.fault_injection
+        self.router = router
+        self.upstream = upstream
+        self.config = config
+        self.handoff = make_handoff(config.kv_protocol, upstream, config)
+        self.encoder = Encoder(upstream, router, config.routing.encoder_batch)
         self.features = None
         if config.mm_store:
             endpoints = [i.prefetch_endpoint for i in config.instances if i.prefetch_endpoint]
             self.features = FeatureDirectory(StoreSpec.from_json(config.mm_store), endpoints)
 
-    async def _encode(self, path: str, body: dict, trip: Trip) -> dict | None:
-        """Run the encoder; its `ec_transfer_params`, or None if no encoder could."""
+    async def run(self, req: Request) -> tuple[Trip, dict | AsyncIterator[bytes]]:
+        """Serve the request: the JSON answer, or the stream to relay."""
+        n_images, other_media = media_kinds(req.body)
+        tokens = req.text_chars / CHARS_PER_TOKEN + sum(req.image_pixels) / PIXELS_PER_TOKEN
+        trip = Trip(req.request_id, multimodal=bool(n_images or other_media),
+                    route=RouteRequest(cost=max(1.0, tokens)))
+        images = Images(req.body, self.config.model) if n_images else None
+        stored = await self._stored(images)
+        plan = plan_stages(n_images, stored, other_media, Roster.of(self.table.instances))
+        prepared = await self._encode(req, plan, images, trip)
+        final = self._final_hop(req, plan, trip, images)
+        return trip, await self._with_recompute(prepared, trip, final)
+
+    async def _stored(self, images: Images | None) -> list[bool]:
+        if images is None:
+            return []
+        if self.features is None:
+            return [False] * len(images.keys)
+        found = await self.features.stored(images.keys)
+        images.placeholders.update(found)
+        return [k in found for k in images.keys]
+
+    async def _encode(self, req: Request, plan: StagePlan, images: Images | None,
+                      trip: Trip) -> Prepared:
+        """Get the features of the request's media; the body prefill and decode get."""
+        if not trip.multimodal or not (plan.encode or plan.stored):
+            return Prepared(req.body)  # text, or a deployment whose prefill encodes
+        pixel_body = images.pixel_body if images else req.body
         try:
-            _, encoded = await self.upstream.post("E", path, single_token(body), trip)
-        except ProxyError as err:
-            if err.status < 500:
+            if plan.pixels_to_prefill:  # video or audio: encoders take the request whole
+                params = await self.encoder.encode_whole(req.path, pixel_body, trip)
+                trip.images = "pixels"
+                return Prepared({**pixel_body, "ec_transfer_params": params} if params
+                                else pixel_body)
+            if plan.encode:
+                sizes = [float(p or 1) for p in req.image_pixels]
+                await self.encoder.encode_images(req.path, images, list(plan.encode), sizes,
+                                                 trip)
+            else:
+                trip.stages.append(StageRecord("E", "store", 0.0))  # every image seen before
+        except NoEncoder:
+            if self.config.routing.encode_fallback != "prefill":
                 raise
-            # No encoder could take it: prefill misses the feature and encodes the
-            # image itself, slower but the request is not lost.
             trip.stages.append(StageRecord("E", "skipped"))
-            return None
-        return encoded.get("ec_transfer_params")
-
-    async def _start(self, path: str, body: dict, fault: str | None = None) -> Prepared:
-        trip = Trip(request_id=f"epd-{uuid.uuid4().hex}", multimodal=is_multimodal(body))
-        # Every instance that can prefill, in turn order; if the first also decodes the
-        # request stays there (no KV hand-off).
-        prefill = self.table.order("P")
-        if not prefill:
-            raise ProxyError(503, "no healthy instance runs stage P", "service_unavailable")
-        if not (trip.multimodal and self.table.encoders()):
-            return Prepared(trip, body, prefill)
-        if self.features is None:  # vLLM's file connector: the hash travels in the body
-            params = await self._encode(path, body, trip)
-            return Prepared(trip, {**body, "ec_transfer_params": params} if params else body,
-                            prefill)
-        try:
-            images = Images(body, self.model)
-        except ValueError as err:
-            raise ProxyError(400, str(err), "invalid_request_error") from None
-        if images.keys:
-            images.placeholders = await self.features.stored(images.keys)
-        if images.complete:
-            trip.stages.append(StageRecord("E", "store", 0.0))  # every image seen before
-        else:
-            images.learn(await self._encode(path, images.pixel_body, trip))
-        if not images.complete:  # video, or the encoder failed: prefill gets the pixels
             trip.images = "pixels"
-            return Prepared(trip, images.pixel_body, prefill)
-        if fault == "drop-features" and self.fault_injection:
+            return Prepared(pixel_body)  # prefill encodes the images itself
+        if self.features is None:  # vLLM's file connector: the hashes travel in the body
+            trip.images = "pixels"
+            return Prepared({**pixel_body, "ec_transfer_params": images.ec_params})
+        if not images.complete:  # the encoder published no metadata: send the pixels
+            trip.images = "pixels"
+            return Prepared(pixel_body)
+        if req.fault == "drop-features" and self.config.fault_injection:
             await self.features.drop(images.keys)
-        self.features.hint(prefill[0].entry.prefetch_endpoint, images.keys)
         trip.images = "ref"
-        return Prepared(trip, images.reference_body(), prefill, images.pixel_body)
+        return Prepared(images.reference_body(), pixel_body)
 
-    async def _run(self, req: Prepared, run: Callable[[dict], Awaitable]):
+    def _final_hop(self, req: Request, plan: StagePlan, trip: Trip,
+                   images: Images | None) -> Callable[[dict], Awaitable]:
+        """Prefill and decode: on one merged instance, or through the KV hand-off."""
+        hop = "PD" if plan.final == "PD" else "P"
+        candidates = self.router.choose(hop, trip.route)
+        if not candidates:
+            raise ProxyError(503, f"no healthy instance runs stage {hop}",
+                             "service_unavailable", reason=f"no_{hop}")
+        if hop == "PD":
+            if req.stream:
+                async def run(body: dict):
+                    stream = await self.upstream.open_stream("PD", req.path, body, trip,
+                                                             candidates)
+                    return stream.relay()
+            else:
+                async def run(body: dict):
+                    return (await self.upstream.post("PD", req.path, body, trip, candidates))[1]
+        elif req.stream:
+            async def run(body: dict):
+                return await self.handoff.stream(req.path, body, trip, candidates)
+        else:
+            async def run(body: dict):
+                return await self.handoff.complete(req.path, body, trip, candidates)
+        if self.features is not None and trip.images == "ref":
+            # Tell the likely prefill instance which features to pull, ahead of the request.
+            self.features.hint(candidates[0].entry.prefetch_endpoint, images.keys)
+        return run
+
+    async def _with_recompute(self, prepared: Prepared, trip: Trip,
+                              run: Callable[[dict], Awaitable]):
         try:
-            return await run(req.body)
+            return await run(prepared.body)
         except ProxyError as err:
-            if req.pixel_body is None or err.status < 500:
+            if prepared.pixel_body is None or err.status < 500:
                 raise
             # Prefill could not get a feature it was sent a reference to (evicted or
             # lost): send the pixels so it encodes the image itself.
-            req.trip.images = "recompute"
-            return await run(req.pixel_body)
-
-    @staticmethod
-    def _merged(prefill: list[InstanceState]) -> list[InstanceState] | None:
-        return [i for i in prefill if i.runs("D")] if prefill[0].runs("D") else None
-
-    async def complete(self, path: str, body: dict,
-                       fault: str | None = None) -> tuple[Trip, dict]:
-        req = await self._start(path, body, fault)
-        if merged := self._merged(req.prefill):
-            async def run(request: dict) -> dict:
-                return (await self.upstream.post(final_stage(merged[0]), path, request,
-                                                 req.trip, merged))[1]
-        else:
-            async def run(request: dict) -> dict:
-                return await self.handoff.complete(path, request, req.trip, req.prefill)
-        return req.trip, await self._run(req, run)
-
-    async def open_stream(self, path: str, body: dict,
-                          fault: str | None = None) -> tuple[Trip, AsyncIterator[bytes]]:
-        """Start the answer as a stream; errors before the first byte raise ProxyError
-        (the client still gets a proper status)."""
-        req = await self._start(path, body, fault)
-        if merged := self._merged(req.prefill):
-            async def run(request: dict) -> AsyncIterator[bytes]:
-                stream = await self.upstream.open_stream(final_stage(merged[0]), path, request,
-                                                         req.trip, merged)
-                return stream.relay()
-        else:
-            async def run(request: dict) -> AsyncIterator[bytes]:
-                return await self.handoff.stream(path, request, req.trip, req.prefill)
-        return req.trip, await self._run(req, run)
+            trip.images = "recompute"
+            return await run(prepared.pixel_body)
 
     def close(self) -> None:
         if self.features is not None:

@@ -1,114 +1,148 @@
-"""The proxy's view of the deployment: instances, their roles, health and load.
+"""The proxy's live status table: every instance, its health and its load.
 
-Runs inside the proxy process; pure data, no I/O (health polling lives in app.py).
+Runs inside the proxy process; pure data, no I/O (probing lives in membership.py).
+An instance's load counters have one writer: the `Lease` taken around each hop sent to
+it (upstream.py), so in-flight counts cannot drift when a hop fails half-way.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import json
-from pathlib import Path
+import time
+from collections.abc import Iterable
 
-from pydantic import BaseModel, ConfigDict, Field
+from epd_serve.proxy.config import InstanceEntry
 
-
-class InstanceEntry(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    name: str
-    roles: str = Field(description="Stages it runs, in pipeline order: E, P, D, EP, PD, EPD.")
-    url: str
-    kv_endpoint: str | None = Field(None, description="Where the KV hand-off reaches this "
-                                    "instance's connector: a bootstrap URL (mooncake) or a "
-                                    "side channel host:port (epd).")
-    prefetch_endpoint: str | None = Field(None, description="host:port where this prefill "
-                                          "instance takes prefetch hints (MM Store).")
-
-
-class ProxyConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    model: str = Field(description="Served model name, answered on /v1/models.")
-    host: str = "127.0.0.1"
-    port: int = 8000
-    kv_protocol: str = Field("epd", description="KV hand-off between prefill and decode: "
-                             "epd | mooncake | ascend-layerwise (proxy/handoff/).")
-    mm_store: str | None = Field(None, description="The MM Store's StoreSpec as JSON; None: "
-                                 "features go through vLLM's file connector.")
-    fault_injection: bool = Field(False, description="Honour the x-epd-fault request header "
-                                  "(tests only).")
-    instances: list[InstanceEntry]
-    request_timeout_s: float = 600.0
-    health_interval_s: float = 2.0
-    unhealthy_after: int = Field(3, description="Failed health checks in a row before an "
-                                 "instance that still accepts connections is skipped.")
-
-    @classmethod
-    def from_file(cls, path: str | Path) -> "ProxyConfig":
-        return cls.model_validate(json.loads(Path(path).read_text()))
+# Engine numbers older than this are not trusted for routing (the engine stopped
+# answering /metrics); the proxy's own in-flight count still is.
+ENGINE_LOAD_TTL_S = 5.0
 
 
 @dataclasses.dataclass
+class EngineLoad:
+    """What the engine itself reports on its /metrics."""
+
+    running: float
+    waiting: float
+    kv_cache_usage: float  # 0..1
+    read_at: float  # time.monotonic()
+
+
+@dataclasses.dataclass(eq=False)
 class InstanceState:
-    """Live row of the status table."""
+    """One row of the status table."""
 
     entry: InstanceEntry
+    source: str = "config"  # or "registered" (POST /instances)
     healthy: bool = False
-    health_failures: int = 0  # consecutive failed health checks
+    draining: bool = False  # removed from the roster; hops already sent finish
+    probe_failures: int = 0  # consecutive failed probes
     in_flight: int = 0
+    in_flight_cost: float = 0.0  # sum of the sizes of the hops in flight
     served: int = 0
     failures: int = 0
     last_error: str | None = None
     incarnation: int = 0  # +1 each time it comes back after being down (restarted)
+    engine: EngineLoad | None = None
 
     @property
     def name(self) -> str:
         return self.entry.name
 
     def runs(self, stage: str) -> bool:
-        return stage in self.entry.roles
+        return stage in self.entry.stages
+
+    def engine_load(self) -> EngineLoad | None:
+        if self.engine is None or time.monotonic() - self.engine.read_at > ENGINE_LOAD_TTL_S:
+            return None
+        return self.engine
+
+    def lease(self, hop: str, cost: float = 1.0) -> "Lease":
+        return Lease(self, hop, cost)
 
     def to_dict(self) -> dict:
+        engine = self.engine_load()
         return {
             "name": self.name,
             "roles": self.entry.roles,
             "url": self.entry.url,
+            "source": self.source,
             "healthy": self.healthy,
+            "draining": self.draining,
+            "probe_failures": self.probe_failures,
             "in_flight": self.in_flight,
+            "in_flight_cost": self.in_flight_cost,
             "served": self.served,
             "failures": self.failures,
             "last_error": self.last_error,
+            "engine": None if engine is None else {
+                "running": engine.running, "waiting": engine.waiting,
+                "kv_cache_usage": engine.kv_cache_usage},
         }
 
 
+class Lease:
+    """One hop on one instance: counted in flight from creation until `close`, which
+    records how it ended. Closing twice is harmless (streams close on several paths)."""
+
+    def __init__(self, inst: InstanceState, hop: str, cost: float):
+        self.inst, self.hop, self.cost = inst, hop, cost
+        self.started = time.perf_counter()
+        self.closed = False
+        inst.in_flight += 1
+        inst.in_flight_cost += cost
+
+    @property
+    def elapsed_s(self) -> float:
+        return time.perf_counter() - self.started
+
+    def close(self, error: str | None = None, instance_fault: bool = True) -> bool:
+        """End the hop: served if `error` is None, else a failure (counted against the
+        instance only when it was the instance's fault, not the client's request).
+        Returns False if it was already closed."""
+        if self.closed:
+            return False
+        self.closed = True
+        inst = self.inst
+        inst.in_flight -= 1
+        inst.in_flight_cost -= self.cost
+        if error is None:
+            inst.served += 1
+        elif instance_fault:
+            inst.failures += 1
+            inst.last_error = error[:300]
+        return True
+
+
 class InstanceTable:
-    """All instances with round-robin choice among the healthy ones of a stage."""
+    """Every instance by name, in the order they joined."""
 
-    def __init__(self, entries: list[InstanceEntry]):
-        self.instances = [InstanceState(e) for e in entries]
-        self._turns: dict[str, itertools.count] = {}
+    def __init__(self, entries: Iterable[InstanceEntry] = (), source: str = "config"):
+        self._by_name: dict[str, InstanceState] = {}
+        for entry in entries:
+            self.add(entry, source)
 
-    def encoders(self) -> list[InstanceState]:
-        """Encoder-only instances: where the E stage of a disaggregated plan runs."""
-        return [i for i in self.instances if i.entry.roles == "E"]
+    @property
+    def instances(self) -> list[InstanceState]:
+        return list(self._by_name.values())
 
-    def candidates(self, stage: str) -> list[InstanceState]:
-        if stage == "E":
-            pool = self.encoders()
-        else:
-            pool = [i for i in self.instances if i.runs(stage)]
-        return [i for i in pool if i.healthy]
+    def get(self, name: str) -> InstanceState | None:
+        return self._by_name.get(name)
 
-    def order(self, stage: str) -> list[InstanceState]:
-        """Healthy instances of a stage, starting with the one whose turn it is; the
-        rest follow so a caller can fail over without losing the request."""
-        pool = self.candidates(stage)
-        if not pool:
-            return []
-        turn = next(self._turns.setdefault(stage, itertools.count()))
-        start = turn % len(pool)
-        return pool[start:] + pool[:start]
+    def add(self, entry: InstanceEntry, source: str = "config") -> InstanceState:
+        if entry.name in self._by_name:
+            raise KeyError(entry.name)
+        inst = self._by_name[entry.name] = InstanceState(entry, source=source)
+        return inst
+
+    def remove(self, name: str) -> InstanceState:
+        inst = self._by_name.pop(name)
+        inst.draining = True  # hops holding it finish; routing no longer sees it
+        inst.healthy = False
+        return inst
+
+    def entries(self) -> list[tuple[InstanceEntry, str]]:
+        return [(i.entry, i.source) for i in self._by_name.values()]
 
     def to_dict(self) -> list[dict]:
-        return [i.to_dict() for i in self.instances]
+        return [i.to_dict() for i in self._by_name.values()]

@@ -1,75 +1,37 @@
-"""Sending one stage's request to an instance that runs the stage, and what a request's
-trip through the stages looked like.
+"""Sending one hop of a request to an instance, with the proxy's one fail-over path.
 
-Runs inside the proxy process (asyncio, httpx). One fail-over path serves plain and
-streamed requests: an instance that cannot be reached is skipped for the next one of
-the same stage, so an accepted request survives one instance dying.
+Runs inside the proxy process (asyncio, aiohttp client). Plain and streamed hops share
+`_send`: instances are tried in the router's order; one that cannot be reached, or
+that answers 5xx before anything was relayed, is recorded as a failed attempt and the
+hop goes to the next (at most one retry after a 5xx, since a request that breaks one
+engine would break the next). Each attempt holds a state.Lease on its instance, closed
+here and nowhere else, which also feeds the hop metrics.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
-import json
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import httpx
+import aiohttp
+import msgspec
 
-from epd_serve.proxy.state import InstanceState, InstanceTable
+from epd_serve.proxy.errors import ProxyError
+from epd_serve.proxy.metrics import ProxyMetrics
+from epd_serve.proxy.routing import Router
+from epd_serve.proxy.state import InstanceState, Lease
+from epd_serve.proxy.trip import StageRecord, Trip
 
+JSON = {"content-type": "application/json"}
+_encode = msgspec.json.Encoder().encode
+# Errors that mean the instance could not be reached or broke the connection.
+TRANSPORT_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError,
+                    asyncio.TimeoutError)
+RETRIES_AFTER_5XX = 1
 
-class ProxyError(Exception):
-    """An error with the HTTP status the client gets; nothing else escapes a route."""
-
-    def __init__(self, status: int, message: str, kind: str = "proxy_error",
-                 unreachable: bool = False):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.kind = kind
-        self.unreachable = unreachable  # no instance could be reached (none answered)
-
-    def to_body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "code": self.status}}
-
-
-@dataclasses.dataclass
-class StageRecord:
-    stage: str
-    instance: str
-    ms: float | None = None  # None while the stage is still streaming
-
-
-@dataclasses.dataclass
-class Trip:
-    """What happened to one request, per stage; sent back in the x-epd-stages header."""
-
-    request_id: str
-    multimodal: bool
-    stages: list[StageRecord] = dataclasses.field(default_factory=list)
-    kv: dict[str, Any] | None = None  # the KV hand-off's own report, where it gives one
-    # How prefill and decode got the images: "ref" (feature references, no pixels),
-    # "pixels", or "recompute" (references failed, then pixels); None for text.
-    images: str | None = None
-
-    def header(self) -> str:
-        """Stages in pipeline order (prefill and decode may run at the same time)."""
-        parts = []
-        for rec in sorted(self.stages, key=lambda r: "EPD".find(r.stage[0])):
-            timing = f":{rec.ms:.1f}ms" if rec.ms is not None else ""
-            parts.append(f"{rec.stage}={rec.instance}{timing}")
-        if self.kv:
-            kv = self.kv
-            fields = [str(kv.get("outcome", "?"))]
-            for key, unit in (("bytes", "B"), ("transfer_ms", "ms"), ("exposed_ms", "ms"),
-                              ("groups", "")):
-                if key in kv:
-                    fields.append(f"{key.removesuffix('_ms')}={kv[key]}{unit}")
-            parts.append("KV=" + ":".join(fields))
-        if self.images:
-            parts.append(f"IMG={self.images}")
-        return ";".join(parts)
+__all__ = ["ProxyError", "Stream", "Upstream", "final_stage", "single_token"]
 
 
 def single_token(body: dict, **overrides: Any) -> dict:
@@ -81,149 +43,226 @@ def single_token(body: dict, **overrides: Any) -> dict:
 
 
 def final_stage(inst: InstanceState) -> str:
-    """Label of the stage that produces the answer: D, or PD for a merged instance."""
+    """Label of the hop that produces the answer: D, or PD for a merged instance."""
     return "D" if not inst.runs("P") else "PD"
 
 
-def upstream_error(inst: InstanceState, status: int, text: str) -> ProxyError:
-    message = text
+def error_message(text: str) -> str:
+    """The message inside an OpenAI-style error body, or the text itself."""
     try:
-        parsed: Any = json.loads(text)
-        if isinstance(parsed, dict):
-            err = parsed.get("error", parsed)
-            message = err.get("message", text) if isinstance(err, dict) else str(err)
-    except ValueError:
-        pass
-    # 4xx is the client's request (vLLM validated it): pass it on; 5xx is the instance's.
+        parsed: Any = msgspec.json.decode(text)
+    except msgspec.DecodeError:
+        return text
+    if isinstance(parsed, dict):
+        err = parsed.get("error", parsed)
+        return str(err.get("message", text)) if isinstance(err, dict) else str(err)
+    return text
+
+
+def upstream_error(inst: InstanceState, status: int, text: str) -> ProxyError:
+    """4xx is the client's request (vLLM validated it): passed on; 5xx is the instance's."""
+    message = f"instance {inst.name} answered {status}: {error_message(text)}"
     if 400 <= status < 500:
-        code = status
-    else:
-        code = 502
-        inst.failures += 1
-        inst.last_error = f"HTTP {status}: {message[:200]}"
-    return ProxyError(code, f"instance {inst.name} answered {status}: {message}", "upstream_error")
+        return ProxyError(status, message, "invalid_request_error", reason="rejected_by_engine")
+    return ProxyError(502, message, "upstream_error", reason="instance_error")
 
 
 class Upstream:
-    def __init__(self, table: InstanceTable, client: httpx.AsyncClient):
-        self.table = table
-        self.client = client
+    def __init__(self, router: Router, session: aiohttp.ClientSession, metrics: ProxyMetrics):
+        self.router = router
+        self.session = session
+        self.metrics = metrics
 
-    def _order(self, stage: str, order: list[InstanceState] | None) -> list[InstanceState]:
-        order = self.table.order(stage) if order is None else order
-        if not order:
-            raise ProxyError(503, f"no healthy instance runs stage {stage}", "service_unavailable")
-        return order
+    # -- leases ------------------------------------------------------------------------
+    def _take(self, inst: InstanceState, hop: str, trip: Trip) -> Lease:
+        lease = inst.lease(hop, trip.route.cost)
+        self.metrics.set_in_flight(inst.name, inst.in_flight)
+        return lease
 
-    async def post(self, stage: str, path: str, body: dict, trip: Trip,
-                   order: list[InstanceState] | None = None) -> tuple[InstanceState, dict]:
-        """Run `body` on an instance of `stage` and return its JSON answer."""
-        inst, resp, start = await self._send(stage, path, body, trip, order)
+    def release(self, lease: Lease, trip: Trip, error: str | None = None,
+                instance_fault: bool = True, record: StageRecord | None = None) -> None:
+        """Close a hop's lease: counters, metrics and the trip's record of the hop."""
+        if not lease.close(error, instance_fault):
+            return
+        inst = lease.inst
+        self.metrics.set_in_flight(inst.name, inst.in_flight)
+        ms = lease.elapsed_s * 1e3
+        if error is None:
+            self.metrics.hop_done(lease.hop, inst.name, lease.elapsed_s)
+            if record is not None:
+                record.ms = ms
+            else:
+                trip.stages.append(StageRecord(lease.hop, inst.name, ms))
+        elif instance_fault:
+            if record is not None:
+                record.failed, record.ms = True, ms
+            else:
+                trip.stages.append(StageRecord(lease.hop, inst.name, ms, failed=True))
+
+    def note_retry(self, hop: str, trip: Trip) -> None:
+        """A hop sent again to another instance (here, or by a KV hand-off's own loop)."""
+        trip.retries += 1
+        self.metrics.retries.labels(hop).inc()
+
+    # -- hops --------------------------------------------------------------------------
+    async def post(self, hop: str, path: str, body: dict, trip: Trip,
+                   candidates: list[InstanceState] | None = None) -> tuple[InstanceState, dict]:
+        """Run `body` on an instance of `hop` and return its JSON answer."""
+        lease, resp = await self._send(hop, path, body, trip, candidates)
         try:
-            text = (await resp.aread()).decode(errors="replace")
-        finally:
-            inst.in_flight -= 1
-            await resp.aclose()
-        if resp.status_code >= 400:
-            raise upstream_error(inst, resp.status_code, text)
-        inst.served += 1
-        trip.stages.append(StageRecord(stage, inst.name, (time.perf_counter() - start) * 1e3))
-        return inst, json.loads(text)
+            raw = await resp.read()
+        except TRANSPORT_ERRORS as err:
+            resp.close()
+            self.release(lease, trip, f"answer broken off: {type(err).__name__}")
+            raise ProxyError(502, f"instance {lease.inst.name} broke off its answer",
+                             "upstream_error", unreachable=True, reason="broken_answer") from None
+        except BaseException:
+            resp.close()  # the client left: closing the connection aborts the engine's work
+            self.release(lease, trip, "cancelled", instance_fault=False)
+            raise
+        resp.release()
+        if resp.status >= 400:
+            text = raw.decode(errors="replace")
+            self.release(lease, trip, f"HTTP {resp.status}: {error_message(text)}",
+                         instance_fault=resp.status >= 500)
+            raise upstream_error(lease.inst, resp.status, text)
+        self.release(lease, trip)
+        return lease.inst, msgspec.json.decode(raw)
 
-    async def open_stream(self, stage: str, path: str, body: dict, trip: Trip,
-                          order: list[InstanceState] | None = None) -> "Stream":
+    async def open_stream(self, hop: str, path: str, body: dict, trip: Trip,
+                          candidates: list[InstanceState] | None = None) -> "Stream":
         """Start `body` as a stream; errors before its first byte raise ProxyError."""
-        inst, resp, start = await self._send(stage, path, body, trip, order)
-        if resp.status_code >= 400:
-            text = (await resp.aread()).decode(errors="replace")
-            inst.in_flight -= 1
-            await resp.aclose()
-            raise upstream_error(inst, resp.status_code, text)
-        record = StageRecord(stage, inst.name)
+        lease, resp = await self._send(hop, path, body, trip, candidates)
+        if resp.status >= 400:
+            text = (await resp.read()).decode(errors="replace")
+            resp.release()
+            self.release(lease, trip, f"HTTP {resp.status}: {error_message(text)}",
+                         instance_fault=resp.status >= 500)
+            raise upstream_error(lease.inst, resp.status, text)
+        record = StageRecord(hop, lease.inst.name)
         trip.stages.append(record)
-        return Stream(inst, resp, record, start)
+        return Stream(self, lease, resp, record, trip)
 
-    async def _send(self, stage: str, path: str, body: dict, trip: Trip,
-                    order: list[InstanceState] | None) -> tuple[InstanceState, httpx.Response, float]:
-        """Send to the first instance of `stage` that takes the request; returns it, its
-        answer (body not read yet) and when it was sent. The caller owns the lease."""
-        last = ""
-        for inst in self._order(stage, order):
-            start = time.perf_counter()
-            inst.in_flight += 1
+    async def get_json(self, url: str, timeout_s: float = 10.0) -> tuple[int, Any]:
+        """A plain GET (KV bootstrap queries); transport errors raise."""
+        async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            raw = await resp.read()
             try:
-                resp = await self._send_with_reconnect(inst, path, body, trip.request_id)
-            except httpx.TransportError as err:
-                inst.in_flight -= 1
-                inst.failures += 1
-                inst.last_error = last = f"{type(err).__name__}: {err}"
+                return resp.status, msgspec.json.decode(raw)
+            except msgspec.DecodeError:
+                return resp.status, raw.decode(errors="replace")
+
+    async def _send(self, hop: str, path: str, body: dict, trip: Trip,
+                    candidates: list[InstanceState] | None
+                    ) -> tuple[Lease, aiohttp.ClientResponse]:
+        """Send to the first instance of `hop` that takes the request; returns its lease
+        and its answer (body not read yet). The caller releases the lease."""
+        order = self.router.choose(hop, trip.route) if candidates is None else candidates
+        if not order:
+            raise ProxyError(503, f"no healthy instance runs stage {hop}", "service_unavailable",
+                             reason=f"no_{hop}")
+        payload = _encode(body)
+        headers = {**JSON, "X-Request-Id": trip.request_id}
+        last, retries_after_5xx, reached = "", RETRIES_AFTER_5XX, False
+        for index, inst in enumerate(order):
+            if index:
+                self.note_retry(hop, trip)
+            lease = self._take(inst, hop, trip)
+            try:
+                resp = await self._request(inst, path, payload, headers)
+            except TRANSPORT_ERRORS as err:
+                last = f"{inst.name}: {type(err).__name__}: {err}"
+                self.release(lease, trip, last)
                 continue
             except BaseException:
-                inst.in_flight -= 1
+                self.release(lease, trip, "cancelled", instance_fault=False)
                 raise
-            return inst, resp, start
-        raise ProxyError(502, f"every {stage} instance failed; last error: {last}",
-                         "upstream_error", unreachable=True)
+            more = index + 1 < len(order)
+            if resp.status >= 500 and more and retries_after_5xx:
+                # Nothing reached the client yet: another instance may well serve it.
+                retries_after_5xx -= 1
+                reached = True
+                text = (await resp.read()).decode(errors="replace")
+                resp.release()
+                last = f"{inst.name}: HTTP {resp.status}: {error_message(text)[:200]}"
+                self.release(lease, trip, last)
+                continue
+            return lease, resp
+        raise ProxyError(502, f"every {hop} instance failed; last error: {last}",
+                         "upstream_error", unreachable=not reached, reason="instances_failed")
 
-    async def _send_with_reconnect(self, inst: InstanceState, path: str, body: dict,
-                                   request_id: str) -> httpx.Response:
+    async def _request(self, inst: InstanceState, path: str, payload: bytes,
+                       headers: dict) -> aiohttp.ClientResponse:
         """A pooled keep-alive connection that the instance closed just as we reused it
         fails before the request is read; one retry on a fresh connection is safe."""
-        request = self.client.build_request("POST", inst.entry.url + path, json=body,
-                                            headers={"X-Request-Id": request_id})
+        url = inst.entry.url + path
         try:
-            return await self.client.send(request, stream=True)
-        except httpx.RemoteProtocolError:
-            request = self.client.build_request("POST", inst.entry.url + path, json=body,
-                                                headers={"X-Request-Id": request_id})
-            return await self.client.send(request, stream=True)
+            return await self.session.post(url, data=payload, headers=headers)
+        except aiohttp.ServerDisconnectedError:
+            return await self.session.post(url, data=payload, headers=headers)
 
 
 @dataclasses.dataclass
 class Stream:
-    """An answer being streamed from an instance; `close()` ends it (the instance then
-    aborts the request), iterating relays it and releases the instance's lease."""
+    """An answer being streamed from an instance. Iterating `relay()` passes it on;
+    `finish()` reads it here; `close()` drops it (the engine then aborts the request).
+    Each ends the hop's lease exactly once."""
 
-    inst: InstanceState
-    response: httpx.Response
+    upstream: Upstream
+    lease: Lease
+    response: aiohttp.ClientResponse
     record: StageRecord
-    started: float
-    _released: bool = False
+    trip: Trip
+
+    @property
+    def inst(self) -> InstanceState:
+        return self.lease.inst
 
     async def finish(self) -> None:
         """Read the rest of the stream here (not relayed); raises ProxyError if the
-        instance reported an error inside it."""
+        instance broke off or reported an error inside it."""
         try:
-            text = (await self.response.aread()).decode(errors="replace")
-        except httpx.TransportError as err:
-            self.inst.failures += 1
+            text = (await self.response.read()).decode(errors="replace")
+        except TRANSPORT_ERRORS as err:
+            self.response.close()
+            self._end(f"stream broken off: {type(err).__name__}")
             raise ProxyError(502, f"instance {self.inst.name} broke off its answer: {err}",
-                             "upstream_error", unreachable=True) from None
-        finally:
-            self._release()
-            await self.response.aclose()
+                             "upstream_error", unreachable=True, reason="broken_answer") from None
+        except BaseException:
+            self.response.close()
+            self._end("cancelled", instance_fault=False)
+            raise
+        self.response.release()
         for line in text.splitlines():
             if line.startswith("data: {") and '"error"' in line:
-                error = json.loads(line[6:]).get("error")
+                error = msgspec.json.decode(line[6:]).get("error")
                 if error:
-                    raise upstream_error(self.inst, int(error.get("code") or 500), json.dumps(error))
-        self.inst.served += 1
-        self.record.ms = (time.perf_counter() - self.started) * 1e3
+                    status = int(error.get("code") or 500)
+                    self._end(f"error in stream: {error.get('message')}", status >= 500)
+                    raise upstream_error(self.inst, status, msgspec.json.encode(error).decode())
+        self._end(None)
 
     async def close(self) -> None:
-        await self.response.aclose()
-        self._release()
-
-    def _release(self) -> None:
-        if not self._released:
-            self._released = True
-            self.inst.in_flight -= 1
+        self.response.close()
+        self._end("closed by the proxy", instance_fault=False)
 
     async def relay(self) -> AsyncIterator[bytes]:
+        error: str | None = "relay stopped"
+        fault = False
         try:
-            async for chunk in self.response.aiter_raw():
+            async for chunk in self.response.content.iter_any():
                 yield chunk
-            self.inst.served += 1
+            error = None
+        except TRANSPORT_ERRORS as err:
+            error, fault = f"stream broken off: {type(err).__name__}", True
+            raise ProxyError(502, f"instance {self.inst.name} broke off its answer",
+                             "upstream_error", reason="broken_answer") from None
         finally:
-            self._release()
-            await self.response.aclose()
+            if error is None:
+                self.response.release()
+            else:
+                self.response.close()  # the client left or the relay broke: abort upstream
+            self._end(error, instance_fault=fault)
+
+    def _end(self, error: str | None, instance_fault: bool = True) -> None:
+        self.upstream.release(self.lease, self.trip, error, instance_fault, self.record)

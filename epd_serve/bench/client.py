@@ -1,4 +1,5 @@
 """The load generator: sends pre-built requests on schedule and times every chunk.
+It also keeps the epd-serve proxy's per-stage header of each answer, where there is one.
 
 Runs in its own asyncio loop (uvloop when installed) in the bench process. aiohttp
 rather than httpx: its client costs far less CPU per request, which is what keeps the
@@ -16,6 +17,7 @@ from collections.abc import Callable, Sequence
 import aiohttp
 
 from epd_serve.bench.metrics import RequestRecord
+from epd_serve.bench.stages import HEADER as STAGES_HEADER
 
 # Sleep until this close to a send time, then yield to the loop until it is due:
 # epoll waits in whole milliseconds, which alone would cost up to 1 ms of lag.
@@ -30,6 +32,7 @@ async def _one(session: aiohttp.ClientSession, url: str, body: bytes, rec: Reque
     try:
         async with session.post(url, data=body,
                                 headers={"content-type": "application/json"}) as resp:
+            rec.stages_header = resp.headers.get(STAGES_HEADER)
             if resp.status != 200:
                 text = (await resp.text())[:300]
                 rec.error = f"HTTP {resp.status}: {text}"

@@ -3,6 +3,8 @@
 Pure numpy. All times are seconds from monotonic clocks at the client; reports show
 milliseconds. The SLO rule is the papers': a request meets its SLO when its TTFT is
 under the TTFT SLO and at least 90% of its token gaps are under the TPOT (TBT) SLO.
+Where the server is the epd-serve proxy, each record also keeps the proxy's per-stage
+header, which stages.py parses and aggregates.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import dataclasses
 from collections import Counter
 
 import numpy as np
+
+from epd_serve.bench import stages
 
 STAT_NAMES = ("avg", "min", "max", "median", "p75", "p90", "p99")
 GAP_QUANTILE = 0.9  # share of token gaps that must meet the TPOT SLO
@@ -30,6 +34,11 @@ class RequestRecord:
     input_tokens: int = 0
     output_tokens: int = 0
     error: str | None = None
+    stages_header: str | None = None  # the proxy's x-epd-stages; None from a bare engine
+
+    @property
+    def stage_breakdown(self) -> stages.StageBreakdown | None:
+        return stages.parse(self.stages_header)
 
     @property
     def ok(self) -> bool:
@@ -71,6 +80,11 @@ class RequestRecord:
 
     def to_row(self) -> dict:
         ms = lambda v: None if v is None else round(v * 1e3, 3)  # noqa: E731
+        breakdown = self.stage_breakdown or stages.StageBreakdown()
+        stage_ms = breakdown.stage_ms()
+        # Same keys in every row: requests.csv takes its columns from the first one.
+        per_stage = {f"{stage}_ms": stage_ms.get(stage) for stage in stages.STAGES}
+        per_stage.update({f"kv_{key}": breakdown.kv.get(key) for key in stages.KV_TIMINGS})
         return {
             "index": self.index, "multimodal": self.multimodal, "ok": self.ok,
             "error": self.error, "scheduled_s": round(self.scheduled, 6),
@@ -78,6 +92,7 @@ class RequestRecord:
             "tpot_ms": ms(self.tpot), "e2el_ms": ms(self.e2el),
             "itl_mean_ms": ms(float(np.mean(self.itls))) if self.itls else None,
             "input_tokens": self.input_tokens, "output_tokens": self.output_tokens,
+            **per_stage, "images": breakdown.images, "stages_header": self.stages_header,
         }
 
 
@@ -142,6 +157,8 @@ def summarize(records: list[RequestRecord], slo: SLO, num_devices: int = 1,
         "target_rate": target_rate,
         "achieved_rate": (len(sends) - 1) / send_span if send_span > 0 else None,
         "send_lag_ms": stats([r.send_lag for r in records], 1e3),
+        # Successful requests only, like the latencies above; None without the header.
+        "stage_breakdown": stages.summarize([r.stage_breakdown for r in ok]),
     }
     summary["per_device"] = {
         "request_rate": None if target_rate is None else target_rate / num_devices,

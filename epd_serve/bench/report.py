@@ -1,4 +1,6 @@
 """Writes a load report: JSON, CSV, PNG plots like the papers' figures, one HTML page.
+Runs against the epd-serve proxy also get a per-stage breakdown (E, P, D, KV hand-off)
+from its x-epd-stages header: a table per run and stages.png.
 
 Runs in the bench process; matplotlib with the Agg backend (no display needed).
 """
@@ -18,6 +20,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from epd_serve.bench.stages import KV_TIMINGS, STAGES  # noqa: E402
+
 SUMMARY_COLUMNS = [
     ("label", "deployment"), ("rate", "rate (req/s)"), ("success_requests", "ok"),
     ("failed_requests", "failed"), ("slo_attainment", "SLO attainment"),
@@ -27,6 +31,13 @@ SUMMARY_COLUMNS = [
     ("tpot_ms.p99", "TPOT p99 ms"), ("itl_ms.median", "ITL p50 ms"),
     ("e2el_ms.median", "E2EL p50 ms"), ("achieved_rate", "achieved rate"),
     ("send_lag_ms.p99", "send lag p99 ms"),
+]
+# summary.csv only (blank for runs without the proxy's header); the HTML page shows the
+# full breakdown in its own section instead of widening the summary table.
+STAGE_COLUMNS = [
+    *((f"stage_breakdown.stages.{s}.p50_ms", f"{s} p50 ms") for s in ("E", "P", "D", "PD")),
+    ("stage_breakdown.kv.transfer_ms.p50_ms", "KV transfer p50 ms"),
+    ("stage_breakdown.kv.exposed_ms.p50_ms", "KV exposed p50 ms"),
 ]
 
 
@@ -101,6 +112,50 @@ def plot_scatter(results, path: Path, slo) -> None:
     plt.close(fig)
 
 
+def _run_name(r) -> str:
+    return f"{r.label or 'run'} @ {r.rate if r.rate is not None else '-'}"
+
+
+def _stage_series(breakdown: dict) -> dict[str, dict]:
+    """Bar name -> timing stats: each stage seen, then the KV hand-off's two timings."""
+    series = dict(breakdown["stages"])
+    kv = breakdown.get("kv") or {}
+    for key in KV_TIMINGS:
+        if kv.get(key, {}).get("count"):
+            series[f"KV {key.removesuffix('_ms')}"] = kv[key]
+    return series
+
+
+def plot_stages(results, path: Path) -> bool:
+    """Grouped bars of per-stage mean and p50 ms, one group per run. Bars, not a stack:
+    prefill and decode overlap in time, so the stages do not add up to the latency.
+    Returns False (and writes nothing) when no run carried the proxy's header."""
+    runs = [r for r in results if r.summary.get("stage_breakdown")]
+    if not runs:
+        return False
+    per_run = [_stage_series(r.summary["stage_breakdown"]) for r in runs]
+    present = {name for series in per_run for name in series}
+    names = [name for name in (*STAGES, *(f"KV {k.removesuffix('_ms')}" for k in KV_TIMINGS))
+             if name in present]  # pipeline order in every group
+    fig, axes = plt.subplots(1, 2, figsize=(max(10, 2.2 * len(runs) + 4), 4.2))
+    width = 0.8 / len(names)
+    for ax, (key, title) in zip(axes, (("mean_ms", "per-stage mean"), ("p50_ms", "per-stage p50"))):
+        for i, name in enumerate(names):
+            xs = [j - 0.4 + width * (i + 0.5) for j in range(len(runs))]
+            ys = [(series.get(name) or {}).get(key) or 0.0 for series in per_run]
+            ax.bar(xs, ys, width, label=name)
+        ax.set_xticks(range(len(runs)))
+        ax.set_xticklabels([_run_name(r) for r in runs], rotation=20, ha="right", fontsize=8)
+        ax.set_title(title)
+        ax.set_ylabel("ms")
+        ax.grid(alpha=0.3, axis="y")
+    axes[1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def write_report(results, out_dir: Path, spec, goodputs: dict | None = None) -> Path:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -116,9 +171,10 @@ def write_report(results, out_dir: Path, spec, goodputs: dict | None = None) -> 
 
     with (out_dir / "summary.csv").open("w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow([title for _, title in SUMMARY_COLUMNS])
+        columns = SUMMARY_COLUMNS + STAGE_COLUMNS
+        writer.writerow([title for _, title in columns])
         for r in results:
-            writer.writerow([_get(r.summary, key) for key, _ in SUMMARY_COLUMNS])
+            writer.writerow([_get(r.summary, key) for key, _ in columns])
     with (out_dir / "requests.csv").open("w", newline="") as f:
         rows = [{"label": r.label, "rate": r.rate, **rec.to_row()}
                 for r in results for rec in r.records]
@@ -129,6 +185,9 @@ def write_report(results, out_dir: Path, spec, goodputs: dict | None = None) -> 
 
     plot_vs_rate(results, out_dir / "vs_rate.png")
     plot_scatter(results, out_dir / "ttft_tpot.png", spec.slo)
+    stages_png = out_dir / "stages.png"
+    stages_png.unlink(missing_ok=True)  # a rerun into the same folder must not show stale bars
+    plot_stages(results, stages_png)
     (out_dir / "report.html").write_text(_html(results, out_dir, spec_dict, goodputs))
     return out_dir
 
@@ -138,12 +197,56 @@ def _img(path: Path) -> str:
     return f'<img alt="{html.escape(path.name)}" src="data:image/png;base64,{data}">'
 
 
+def _instances(stage: dict) -> str:
+    served = ", ".join(f"{name} {i['share']:.0%} ({i['served']})"
+                       for name, i in stage["instances"].items() if i["served"])
+    failed = ", ".join(f"{name} {i['failed']}" for name, i in stage["instances"].items()
+                       if i["failed"])
+    return served + (f"; failed: {failed}" if failed else "")
+
+
+def stage_tables(results) -> str:
+    """The HTML per-stage section: one table per run that carried the header."""
+    head = "".join(f"<th>{t}</th>" for t in (
+        "stage", "requests", "timed", "mean ms", "p50 ms", "p99 ms", "failed attempts",
+        "instances (share, requests served)"))
+    out = []
+    for r in results:
+        breakdown = r.summary.get("stage_breakdown")
+        if not breakdown:
+            continue
+        rows = []
+        for name, st in _stage_series(breakdown).items():
+            cells = [name, st.get("requests", "-"), st["count"], st["mean_ms"], st["p50_ms"],
+                     st["p99_ms"], st.get("failed_attempts", "-"),
+                     _instances(st) if "instances" in st else "-"]
+            rows.append("<tr>" + "".join(f"<td>{html.escape(_fmt(c))}</td>" for c in cells) + "</tr>")
+        notes = [f"{breakdown['requests']} requests carried the header"]
+        if breakdown.get("kv"):
+            kv = breakdown["kv"]
+            outcomes = ", ".join(f"{k} {v}" for k, v in kv["outcomes"].items())
+            notes.append(f"KV hand-off: {outcomes}, mean {_fmt(kv['mean_bytes'])} bytes")
+        if breakdown.get("images"):
+            notes.append("images travelled as: " + ", ".join(
+                f"{k} {v}" for k, v in breakdown["images"].items()))
+        out.append(f"<h3>{html.escape(_run_name(r))} req/s</h3>"
+                   f"<p>{html.escape('; '.join(notes))}.</p>"
+                   f"<table><tr>{head}</tr>{''.join(rows)}</table>")
+    return "".join(out)
+
+
 def _html(results, out_dir: Path, spec: dict, goodputs: dict) -> str:
     head = "".join(f"<th>{html.escape(title)}</th>" for _, title in SUMMARY_COLUMNS)
     rows = "".join(
         "<tr>" + "".join(f"<td>{html.escape(_fmt(_get(r.summary, k)))}</td>"
                          for k, _ in SUMMARY_COLUMNS) + "</tr>"
         for r in results)
+    breakdown = stage_tables(results)
+    if breakdown:
+        breakdown = ("<h2>Per stage (from the proxy's x-epd-stages header)</h2>"
+                     "<p>A retried stage's time includes its failed attempts; a stage still "
+                     "streaming when headers were sent is counted but not timed.</p>"
+                     f"{breakdown}{_img(out_dir / 'stages.png')}")
     good = "".join(f"<li>{html.escape(k)}: {_fmt(v)} req/s</li>" for k, v in goodputs.items())
     failures = "".join(
         f"<li>{html.escape(r.label)} @ {r.rate}: {html.escape(json.dumps(r.summary['failure_reasons']))}</li>"
@@ -162,6 +265,7 @@ SLO TTFT &lt; {spec['slo']['ttft_ms']} ms and 90% of token gaps &lt; {spec['slo'
 {f"<h2>Failures</h2><ul>{failures}</ul>" if failures else ""}
 <h2>Against request rate</h2>{_img(out_dir / "vs_rate.png")}
 <h2>TTFT and TPOT per request</h2>{_img(out_dir / "ttft_tpot.png")}
+{breakdown}
 <p>Raw data: results.json, summary.csv, requests.csv.</p>
 </body></html>
 """

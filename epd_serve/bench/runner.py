@@ -95,7 +95,16 @@ def _one_line(label: str, rate: float | None, s: dict) -> str:
     return (f"{label or 'run'} @ {rate} req/s: {s['success_requests']}/{s['total_requests']} ok, "
             f"TTFT p50 {fmt(ttft)} ms, TPOT p50 {fmt(tpot)} ms, "
             f"SLO attainment {s['slo_attainment']:.0%}, "
-            f"{s['output_token_throughput']:.1f} out tok/s")
+            f"{s['output_token_throughput']:.1f} out tok/s{_stage_line(s.get('stage_breakdown'))}")
+
+
+def _stage_line(breakdown: dict | None) -> str:
+    """`; stage p50 E 12.3, P 40.1 ms` for runs through the proxy, else nothing."""
+    if not breakdown:
+        return ""
+    timed = [f"{name} {st['p50_ms']:.1f}" for name, st in breakdown["stages"].items()
+             if st["p50_ms"] is not None]
+    return f"; stage p50 {', '.join(timed)} ms" if timed else ""
 
 
 def sweep(spec: LoadSpec, rates: list[float], label: str = "",

@@ -18,8 +18,10 @@ import dataclasses
 from collections.abc import AsyncIterator
 
 from epd_serve.proxy.handoff.base import Handoff, decode_body
+from epd_serve.proxy.errors import ProxyError
 from epd_serve.proxy.state import InstanceState
-from epd_serve.proxy.upstream import ProxyError, Trip, single_token
+from epd_serve.proxy.trip import Trip
+from epd_serve.proxy.upstream import single_token
 
 
 @dataclasses.dataclass

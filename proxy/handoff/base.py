@@ -12,8 +12,11 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from typing import ClassVar
 
-from epd_serve.proxy.state import InstanceState, ProxyConfig
-from epd_serve.proxy.upstream import ProxyError, Trip, Upstream
+from epd_serve.proxy.config import ProxyConfig
+from epd_serve.proxy.errors import ProxyError
+from epd_serve.proxy.state import InstanceState
+from epd_serve.proxy.trip import Trip
+from epd_serve.proxy.upstream import Upstream
 
 
 def decode_body(body: dict, kv_transfer_params: dict) -> dict:

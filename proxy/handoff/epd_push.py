@@ -22,8 +22,10 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from epd_serve.proxy.handoff.base import Handoff, decode_body
+from epd_serve.proxy.errors import ProxyError
 from epd_serve.proxy.state import InstanceState
-from epd_serve.proxy.upstream import ProxyError, Trip, single_token
+from epd_serve.proxy.trip import Trip
+from epd_serve.proxy.upstream import single_token
 
 # Keys of kv_transfer_params a client may set to steer our connector per request
 # (transfer mode, fault injection where the deployment allows it); passed to prefill.
@@ -56,6 +58,8 @@ class EPDPush(Handoff):
         steering = {k: v for k, v in (body.get("kv_transfer_params") or {}).items()
                     if k in PASSTHROUGH_KEYS}
         for index, p_inst in enumerate(prefill):
+            if index:
+                self.upstream.note_retry("P", trip)
             host, _, port = (p_inst.entry.kv_endpoint or "").rpartition(":")
             if not host:
                 raise ProxyError(500, f"prefill instance {p_inst.name} has no KV side channel")

@@ -10,11 +10,11 @@ from __future__ import annotations
 import uuid
 from collections.abc import AsyncIterator
 
-import httpx
-
 from epd_serve.proxy.handoff.base import Handoff, decode_body
+from epd_serve.proxy.errors import ProxyError
 from epd_serve.proxy.state import InstanceState
-from epd_serve.proxy.upstream import ProxyError, Trip, single_token, upstream_error
+from epd_serve.proxy.trip import Trip
+from epd_serve.proxy.upstream import TRANSPORT_ERRORS, single_token, upstream_error
 
 
 class MooncakePull(Handoff):
@@ -57,14 +57,13 @@ class MooncakePull(Handoff):
         if not inst.entry.kv_endpoint:
             raise ProxyError(500, f"prefill instance {inst.name} has no KV bootstrap URL")
         try:
-            resp = await self.upstream.client.get(inst.entry.kv_endpoint + "/query")
-        except httpx.TransportError as err:
+            status, workers = await self.upstream.get_json(inst.entry.kv_endpoint + "/query")
+        except TRANSPORT_ERRORS as err:
             raise ProxyError(502, f"KV bootstrap of prefill instance {inst.name} is "
                                   f"unreachable: {err}", "upstream_error") from None
-        if resp.status_code != 200:
-            raise upstream_error(inst, resp.status_code, resp.text)
-        workers = resp.json()
-        if not workers:
+        if status != 200:
+            raise upstream_error(inst, status, str(workers))
+        if not isinstance(workers, dict) or not workers:
             raise ProxyError(503, f"prefill instance {inst.name} has no KV worker registered yet")
         engine_id = next(iter(workers.values()))["engine_id"]
         self._engine_ids[inst.name] = (inst.incarnation, engine_id)

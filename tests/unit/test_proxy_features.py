@@ -11,7 +11,7 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
-from fastapi.testclient import TestClient
+import httpx
 
 from epd_serve.fake_server import ThreadedServer, create_fake_app
 from epd_serve.mmstore import FeatureMeta, StoreSpec, open_store
@@ -21,9 +21,11 @@ from epd_serve.proxy import ProxyConfig, create_app
 from epd_serve.proxy.features import image_key
 
 from ..ports import free_port_block
+from .proxy_harness import ProxyThread, tiny_image
 
-IMAGE = "data:image/png;base64,iVBORw0KGgo="
-OTHER_IMAGE = "data:image/png;base64,iVBORw0KGgoAAAA="
+IMAGE = tiny_image(1)
+OTHER_IMAGE = tiny_image(2)
+DROPPED_IMAGE = tiny_image(3)
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +54,8 @@ def deployment(spec: StoreSpec, fault_injection: bool = False):
                 {"name": "p1", "roles": "P", "url": urls["p1"], "kv_endpoint": "127.0.0.1:30101",
                  "prefetch_endpoint": f"127.0.0.1:{hint_port}"},
                 {"name": "d2", "roles": "D", "url": urls["d2"]}])
-        client = stack.enter_context(TestClient(create_app(config)))
+        proxy = stack.enter_context(ProxyThread(create_app(config)))
+        client = stack.enter_context(httpx.Client(base_url=proxy.url, timeout=30))
         deadline = time.monotonic() + 5
         while not all(i["healthy"] for i in client.get("/status").json()["instances"]):
             assert time.monotonic() < deadline
@@ -103,6 +106,22 @@ def test_an_image_the_store_holds_skips_the_encoder(store_spec):
         assert parts(apps["p1"].state.requests[0])[0]["type"] == "image_embeds"
 
 
+def test_only_the_images_the_store_lacks_go_to_the_encoder(store_spec):
+    held, new = tiny_image(4), tiny_image(5)
+    with open_store(store_spec) as store:
+        store.put(image_key("fake", held), np.zeros(64, np.uint8),
+                  FeatureMeta((4, 16), "bfloat16", {"image_grid_thw": [1, 4, 4]}))
+    with deployment(store_spec) as (client, apps, _):
+        resp = client.post("/v1/chat/completions",
+                           json=chat_body("fake", "one old one new", [held, new], max_tokens=2))
+        assert resp.status_code == 200, resp.text
+        (enc,) = apps["e0"].state.requests
+        assert [p["uuid"] for p in parts(enc)] == [image_key("fake", new)]
+        assert resp.headers["x-epd-stages"].endswith("IMG=ref")
+        assert [p["type"] for p in parts(apps["p1"].state.requests[0])][:2] == \
+            ["image_embeds", "image_embeds"]
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_failed_reference_is_sent_again_with_the_pixels(store_spec, stream):
     with deployment(store_spec) as (client, apps, _):
@@ -117,8 +136,8 @@ def test_a_failed_reference_is_sent_again_with_the_pixels(store_spec, stream):
 
 
 def test_dropped_features_are_injected_only_where_the_deployment_allows(store_spec):
-    body = chat_body("fake", "drop", ["data:image/png;base64,AAAA"], max_tokens=2)
-    key = image_key("fake", "data:image/png;base64,AAAA")
+    body = chat_body("fake", "drop", [DROPPED_IMAGE], max_tokens=2)
+    key = image_key("fake", DROPPED_IMAGE)
     with open_store(store_spec) as store:
         for allowed in (False, True):
             store.put(key, np.zeros(64, np.uint8), FeatureMeta((4, 16), "bfloat16",

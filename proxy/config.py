@@ -1,0 +1,112 @@
+"""The proxy's settings: what the deployment file says about routing, limits and keys
+(`ProxySettings`, the `proxy:` section), and the whole typed config the launcher writes
+for the proxy process (`ProxyConfig`: settings plus the instances and hand-offs).
+
+Pure data (pydantic), validated once at start-up; nothing here runs per request.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from epd_serve.proxy.guards import Limits
+
+# Policies by name (proxy/routing.py); hash-affinity only makes sense for encoders,
+# whose work depends on the image alone.
+Policy = Literal["round-robin", "least-loaded", "size-weighted", "power-of-two",
+                 "hash-affinity"]
+STAGE_LETTERS = frozenset("EPD")
+
+
+class InstanceEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")
+    roles: str = Field(description="Stages it runs, in pipeline order: E, P, D, EP, PD, EPD.")
+    url: str = Field(pattern=r"^https?://")
+    kv_endpoint: str | None = Field(None, description="Where the KV hand-off reaches this "
+                                    "instance's connector: a bootstrap URL (mooncake) or a "
+                                    "side channel host:port (epd).")
+    prefetch_endpoint: str | None = Field(None, description="host:port where this prefill "
+                                          "instance takes prefetch hints (MM Store).")
+
+    @field_validator("roles")
+    @classmethod
+    def _known_stages(cls, value: str) -> str:
+        if not value or not set(value) <= STAGE_LETTERS or len(set(value)) != len(value):
+            raise ValueError(f"roles must be stage letters from E, P, D, e.g. 'PD'; got {value!r}")
+        return "".join(s for s in "EPD" if s in value)  # pipeline order
+
+    @property
+    def stages(self) -> frozenset[str]:
+        return frozenset(self.roles)
+
+
+class RoutingSettings(BaseModel):
+    """How the proxy picks an instance for each hop (proxy/routing.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    E: Policy = Field("hash-affinity", description="Encoders: the same image goes to the "
+                      "same encoder (its encoder cache and the MM Store hit).")
+    P: Policy = Field("least-loaded", description="Prefill instances.")
+    D: Policy = Field("least-loaded", description="Decode (and merged prefill+decode) "
+                      "instances.")
+    encoder_batch: int = Field(4, ge=1, description="Images per encoder request: a request's "
+                               "images are spread over the encoders in batches of at most this.")
+    encode_fallback: Literal["refuse", "prefill"] = Field(
+        "refuse", description="With no encoder able to take an image: 'refuse' answers 503 "
+        "(text keeps flowing); 'prefill' sends the pixels to prefill, which encodes itself.")
+    metrics_interval_s: float = Field(1.0, gt=0, description="How often each engine's own "
+                                      "/metrics (running, waiting, KV use) is read.")
+
+    @model_validator(mode="after")
+    def _affinity_is_for_encoders(self) -> "RoutingSettings":
+        for stage in ("P", "D"):
+            if getattr(self, stage) == "hash-affinity":
+                raise ValueError(f"routing.{stage}: hash-affinity routes by image content and "
+                                 "only applies to encoders (E)")
+        return self
+
+
+class ProxySettings(BaseModel):
+    """The `proxy:` section of a deployment file."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    routing: RoutingSettings = Field(default_factory=RoutingSettings)
+    limits: Limits = Field(default_factory=Limits)
+    api_key_env: str | None = Field(None, description="Environment variable holding the key "
+                                    "clients must send (Authorization: Bearer); none: open.")
+    admin_key_env: str = Field("EPD_ADMIN_KEY", description="Environment variable holding the "
+                               "key for /instances changes; unset: registration is off.")
+    request_timeout_s: float = Field(600.0, gt=0)
+    health_interval_s: float = Field(2.0, gt=0)
+    unhealthy_after: int = Field(3, ge=1, description="Failed probes in a row before an "
+                                 "instance that still accepts connections is taken out.")
+
+
+class ProxyConfig(ProxySettings):
+    """Everything the proxy process needs, written by the launcher as JSON."""
+
+    model: str = Field(description="Served model name, answered on /v1/models.")
+    host: str = "127.0.0.1"
+    port: int = 8000
+    kv_protocol: str = Field("epd", description="KV hand-off between prefill and decode: "
+                             "epd | mooncake | ascend-layerwise (proxy/handoff/).")
+    mm_store: str | None = Field(None, description="The MM Store's StoreSpec as JSON; None: "
+                                 "features go through vLLM's file connector.")
+    fault_injection: bool = Field(False, description="Honour the x-epd-fault request header "
+                                  "(tests only).")
+    instances: list[InstanceEntry]
+    roster_path: str | None = Field(None, description="Where the live roster (instances "
+                                    "registered at run time included) is kept across proxy "
+                                    "restarts; None: not kept.")
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "ProxyConfig":
+        return cls.model_validate(json.loads(Path(path).read_text()))

@@ -1,0 +1,106 @@
+"""The encode stage of one request: its images spread over the encoders at once.
+
+Runs inside the proxy process (asyncio). Each image is assigned an encoder by the E
+policy (the same image goes to the same encoder under hash affinity; least-loaded
+counts the images already assigned in this request). The images of one encoder go in
+batches of at most `encoder_batch` per request, and every batch runs at the same time:
+prefill waits for all of them, so a 4-image request on two encoders costs about two
+images' encode time, not four. A batch whose encoder fails goes to the next encoder
+once (upstream.py's fail-over) before the request fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+
+from epd_serve.proxy.errors import ProxyError
+from epd_serve.proxy.features import Images
+from epd_serve.proxy.routing import RouteRequest, Router
+from epd_serve.proxy.state import InstanceState
+from epd_serve.proxy.trip import StageRecord, Trip
+from epd_serve.proxy.upstream import Upstream, single_token
+
+
+class NoEncoder(ProxyError):
+    """No encoder could compute the images (none healthy, or every one failed)."""
+
+
+class Encoder:
+    def __init__(self, upstream: Upstream, router: Router, batch: int):
+        self.upstream = upstream
+        self.router = router
+        self.batch = batch
+
+    def assign(self, images: Images, indices: list[int],
+               sizes: list[float]) -> list[tuple[list[InstanceState], list[int]]]:
+        """Batches of image indices, each with its encoders (first choice first)."""
+        planned: dict[int, float] = defaultdict(float)  # id(encoder) -> work assigned here
+        by_encoder: dict[int, tuple[list[InstanceState], list[int]]] = {}
+        for i in indices:
+            order = self.router.choose("E", RouteRequest(cost=sizes[i], key=images.keys[i]))
+            if not order:
+                raise NoEncoder(503, "no healthy encoder (E) instance: requests with images "
+                                "are refused until one is back; text requests are served",
+                                "service_unavailable", reason="no_encoder")
+            if self.router.policy("E").name != "hash-affinity":
+                # Spread this request's own images: the table does not count them yet.
+                best = min(order, key=lambda e: (planned[id(e)], order.index(e)))
+                order = [best, *(e for e in order if e is not best)]
+            planned[id(order[0])] += sizes[i]
+            by_encoder.setdefault(id(order[0]), (order, []))[1].append(i)
+        batches = []
+        for order, items in by_encoder.values():
+            for start in range(0, len(items), self.batch):
+                batches.append((order, items[start:start + self.batch]))
+        return batches
+
+    async def encode_images(self, path: str, images: Images, indices: list[int],
+                            sizes: list[float], trip: Trip) -> None:
+        """Encode the images `indices`; what the encoders publish lands in `images`."""
+        batches = self.assign(images, indices, sizes)
+        started = time.perf_counter()
+        results = await asyncio.gather(
+            *(self._batch(path, images, order, items, sum(sizes[i] for i in items), trip)
+              for order, items in batches),
+            return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        for error in failed:
+            if not isinstance(error, Exception):
+                raise error  # cancelled: the client left
+        if failed:
+            first = failed[0]
+            if isinstance(first, ProxyError) and first.status < 500:
+                raise first
+            raise NoEncoder(502, f"{len(failed)} of {len(batches)} image batches could not be "
+                            f"encoded: {first}", "upstream_error", reason="encode_failed")
+        served = sorted({name for name in results})
+        trip.stages.append(StageRecord("E", "+".join(served),
+                                       (time.perf_counter() - started) * 1e3))
+
+    async def encode_whole(self, path: str, body: dict, trip: Trip) -> dict | None:
+        """Encode a request the encoders take whole (video, audio); its ec params."""
+        if not self.router.choose("E"):
+            raise NoEncoder(503, "no healthy encoder (E) instance", "service_unavailable",
+                            reason="no_encoder")
+        try:
+            _, encoded = await self.upstream.post("E", path, single_token(body), trip)
+        except ProxyError as err:
+            if err.status < 500:
+                raise
+            raise NoEncoder(502, str(err), "upstream_error", reason="encode_failed") from None
+        return encoded.get("ec_transfer_params")
+
+    async def _batch(self, path: str, images: Images, order: list[InstanceState],
+                     items: list[int], cost: float, trip: Trip) -> str:
+        # One retry on another encoder: a failing image should not visit every encoder.
+        batch_trip = Trip(trip.request_id, True, RouteRequest(cost=cost))
+        try:
+            inst, answer = await self.upstream.post("E", path, images.encoder_body(items),
+                                                    batch_trip, order[:2])
+        finally:
+            trip.retries += batch_trip.retries
+            trip.stages += [s for s in batch_trip.stages if s.failed]
+        images.learn(answer.get("ec_transfer_params"), items)
+        return inst.name

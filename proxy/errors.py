@@ -1,0 +1,27 @@
+"""The one error type of the proxy: whatever goes wrong with a request becomes a
+ProxyError with the HTTP status and message the client gets (app.py turns it into an
+OpenAI-style error body). Imported by every proxy module; imports nothing of ours."""
+
+from __future__ import annotations
+
+
+class ProxyError(Exception):
+    """An error with the HTTP status the client gets; nothing else escapes a route."""
+
+    def __init__(self, status: int, message: str, kind: str = "proxy_error",
+                 unreachable: bool = False, reason: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.kind = kind
+        self.unreachable = unreachable  # no instance could be reached (none answered)
+        # Short label for the failures-by-reason metric, e.g. "bad_image", "no_encoder".
+        self.reason = reason or kind
+
+    def to_body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "code": self.status}}
+
+
+def bad_request(message: str, reason: str = "bad_request", status: int = 400) -> ProxyError:
+    """The client's request cannot be served as sent (4xx, never retried)."""
+    return ProxyError(status, message, "invalid_request_error", reason=reason)

@@ -1,0 +1,161 @@
+"""Who is in the deployment and how each instance is doing: probes, the engines' own
+load numbers, and instances joining and leaving at run time.
+
+Runs inside the proxy process as two background tasks (probe, engine metrics) plus
+the /instances routes' calls. An instance that refuses connections is out at once
+(its process is gone); one that answers slowly or with an error is out after
+`unhealthy_after` probes in a row, since a busy engine can miss one while still
+serving; either is back at its first good answer. The roster (instances from the
+deployment plus registered ones) is written to `roster_path` on every change and read
+back when the proxy restarts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import aiohttp
+
+from epd_serve.proxy.config import InstanceEntry, ProxyConfig
+from epd_serve.proxy.metrics import ProxyMetrics
+from epd_serve.proxy.state import EngineLoad, InstanceState, InstanceTable
+
+log = logging.getLogger("epd_serve.proxy.membership")
+
+# vLLM's gauges on /metrics (summed over label sets: one per engine/model).
+ENGINE_GAUGES = {
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:kv_cache_usage_perc": "kv_cache_usage",
+    "vllm:gpu_cache_usage_perc": "kv_cache_usage",  # before vLLM 0.10
+}
+
+
+def parse_engine_metrics(text: str) -> EngineLoad:
+    """The load gauges from an engine's Prometheus text; a scan of the lines we need,
+    since vLLM's page is large and read every second."""
+    values = {"running": 0.0, "waiting": 0.0, "kv_cache_usage": 0.0}
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        field = ENGINE_GAUGES.get(name)
+        if field is not None:
+            try:
+                values[field] += float(line.rsplit(" ", 1)[1])
+            except (IndexError, ValueError):
+                continue
+    return EngineLoad(read_at=time.monotonic(), **values)
+
+
+def load_roster(config: ProxyConfig) -> list[tuple[InstanceEntry, str]]:
+    """The instances to start with: the kept roster if there is one, else the config's."""
+    path = Path(config.roster_path) if config.roster_path else None
+    if path is not None and path.is_file():
+        try:
+            rows = json.loads(path.read_text())
+            return [(InstanceEntry.model_validate(r["entry"]), r["source"]) for r in rows]
+        except (ValueError, KeyError, TypeError) as err:
+            log.warning("roster %s unreadable (%s); starting from the deployment's", path, err)
+    return [(entry, "config") for entry in config.instances]
+
+
+class Membership:
+    def __init__(self, table: InstanceTable, session: aiohttp.ClientSession,
+                 metrics: ProxyMetrics, config: ProxyConfig):
+        self.table = table
+        self.session = session
+        self.metrics = metrics
+        self.config = config
+        self._tasks: list[asyncio.Task] = []
+
+    # -- the roster ----------------------------------------------------------------
+    def register(self, entry: InstanceEntry) -> InstanceState:
+        inst = self.table.add(entry, source="registered")  # KeyError if the name is taken
+        self.save()
+        log.info("instance %s (%s) registered at %s", entry.name, entry.roles, entry.url)
+        self._tasks.append(asyncio.create_task(self.probe(inst)))  # routable once it answers
+        return inst
+
+    def deregister(self, name: str) -> InstanceState:
+        inst = self.table.remove(name)  # KeyError if unknown
+        self.metrics.forget(name)
+        self.save()
+        log.info("instance %s left the roster (%d hops still in flight finish)", name,
+                 inst.in_flight)
+        return inst
+
+    def save(self) -> None:
+        if not self.config.roster_path:
+            return
+        path = Path(self.config.roster_path)
+        rows = [{"entry": e.model_dump(), "source": s} for e, s in self.table.entries()]
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(rows, indent=2))
+        os.replace(tmp, path)  # a crash mid-write never leaves half a roster
+
+    # -- background tasks ------------------------------------------------------------
+    def start(self) -> None:
+        self._tasks += [asyncio.create_task(self._every(self.config.health_interval_s,
+                                                        self.probe)),
+                        asyncio.create_task(self._every(self.config.routing.metrics_interval_s,
+                                                        self.read_engine_load))]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _every(self, interval: float, check) -> None:
+        while True:
+            await asyncio.gather(*(check(i) for i in self.table.instances))
+            await asyncio.sleep(interval)
+
+    async def probe(self, inst: InstanceState) -> None:
+        refused = False
+        try:
+            async with self.session.get(inst.entry.url + "/health",
+                                        timeout=aiohttp.ClientTimeout(total=5.0)) as resp:
+                ok = resp.status == 200
+                if not ok:
+                    inst.last_error = f"health: HTTP {resp.status}"
+        except (aiohttp.ClientConnectorError, ConnectionRefusedError) as err:
+            ok, refused = False, True
+            inst.last_error = f"health: {type(err).__name__}"
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as err:
+            ok = False
+            inst.last_error = f"health: {type(err).__name__}"
+        if inst.draining:
+            return
+        inst.probe_failures = 0 if ok else inst.probe_failures + 1
+        healthy = ok or (inst.healthy and not refused
+                         and inst.probe_failures < self.config.unhealthy_after)
+        if healthy != inst.healthy:
+            log.info("instance %s is now %s", inst.name, "healthy" if healthy else "DOWN")
+            if healthy:
+                inst.incarnation += 1  # it may be a restarted engine: forget what we knew
+            else:
+                inst.engine = None
+        inst.healthy = healthy
+        self.metrics.healthy.labels(inst.name).set(int(healthy))
+
+    async def read_engine_load(self, inst: InstanceState) -> None:
+        if not inst.healthy:
+            return
+        try:
+            async with self.session.get(inst.entry.url + "/metrics",
+                                        timeout=aiohttp.ClientTimeout(total=2.0)) as resp:
+                if resp.status != 200:
+                    return
+                text = await resp.text()
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+            return  # the probe decides health; stale numbers expire on their own
+        inst.engine = parse_engine_metrics(text)

@@ -1,0 +1,65 @@
+"""The proxy's Prometheus metrics, served on its /metrics.
+
+Runs inside the proxy process; one registry per app (tests run several proxies in one
+process). Hop latencies are observed where a hop's lease closes (upstream.py), request
+outcomes where the route answers (app.py).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# From a fast text prefill (ms) to a long decode (minutes).
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                   10.0, 30.0, 60.0, 120.0, 300.0)
+TOKEN_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+# What a hop does, as the metric labels it.
+HOP_STAGE = {"E": "encode", "P": "prefill", "D": "decode", "PD": "prefill_decode"}
+
+
+class ProxyMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.hop_seconds = Histogram(
+            "epd_proxy_stage_seconds", "Latency of one hop on one instance, by stage "
+            "(encode, prefill, decode, prefill_decode), successful hops only.",
+            ["stage", "instance"], buckets=LATENCY_BUCKETS, registry=r)
+        self.transfer_seconds = Histogram(
+            "epd_proxy_kv_transfer_seconds", "KV transfer time prefill -> decode as the "
+            "KV connector reports it.", ["instance"], buckets=LATENCY_BUCKETS, registry=r)
+        self.first_token_seconds = Histogram(
+            "epd_proxy_first_token_seconds", "From the request's arrival to the first byte "
+            "of the answer relayed to the client.", ["instance"], buckets=LATENCY_BUCKETS,
+            registry=r)
+        self.token_seconds = Histogram(
+            "epd_proxy_token_seconds", "Mean time per streamed event after the first, per "
+            "request.", ["instance"], buckets=TOKEN_BUCKETS, registry=r)
+        self.in_flight = Gauge("epd_proxy_instance_in_flight", "Hops in flight per instance "
+                               "(its queue as the proxy sees it).", ["instance"], registry=r)
+        self.requests_in_flight = Gauge("epd_proxy_requests_in_flight",
+                                        "Client requests being served.", registry=r)
+        self.requests = Counter("epd_proxy_requests_total", "Client requests answered, by "
+                                "modality and HTTP status.", ["modality", "status"], registry=r)
+        self.retries = Counter("epd_proxy_retries_total", "Hops sent again to another "
+                               "instance, by stage.", ["stage"], registry=r)
+        self.failures = Counter("epd_proxy_failures_total", "Requests that ended in an error, "
+                                "by reason.", ["reason"], registry=r)
+        self.healthy = Gauge("epd_proxy_instance_healthy", "1 if routing may use the "
+                             "instance.", ["instance"], registry=r)
+
+    def hop_done(self, hop: str, instance: str, seconds: float) -> None:
+        self.hop_seconds.labels(HOP_STAGE.get(hop, hop), instance).observe(seconds)
+
+    def set_in_flight(self, instance: str, value: int) -> None:
+        self.in_flight.labels(instance).set(value)
+
+    def forget(self, instance: str) -> None:
+        """Drop the per-instance gauges of an instance that left the roster."""
+        for gauge in (self.in_flight, self.healthy):
+            try:
+                gauge.remove(instance)
+            except KeyError:
+                pass
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

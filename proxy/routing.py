@@ -1,0 +1,196 @@
+"""Where a request goes: which stages it takes (a pure decision returning a StagePlan)
+and which instance runs each hop (filter -> scorer -> picker, one policy per stage).
+
+Runs inside the proxy process, on every request: no I/O, no awaits. The load numbers
+it reads (in-flight hops, the engine's own running/waiting/KV use) are kept current by
+state.Lease and membership.py. A new policy is one scorer (and picker) plus a line in
+POLICIES.
+
+Hops are named by what the instance does for the request: "E" (encode), "P" (prefill
+whose KV is handed to decode), "D" (decode with that KV) and "PD" (an instance that
+prefills and decodes the request itself).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+from collections.abc import Callable, Iterable, Sequence
+
+import xxhash
+
+from epd_serve.proxy.state import InstanceState
+
+
+# -- which stages -------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Roster:
+    """What the deployment offers right now, as far as the stage decision cares."""
+
+    encoders: bool  # encoder-only instances are configured (healthy or not)
+    split: bool  # prefill-only and decode-only instances: KV is handed off
+    merged: bool  # instances that prefill and decode a request themselves
+
+    @classmethod
+    def of(cls, instances: Iterable[InstanceState]) -> "Roster":
+        pools = {hop: False for hop in HOPS}
+        for inst in instances:
+            for hop in HOPS:
+                pools[hop] = pools[hop] or serves(inst, hop)
+        return cls(encoders=pools["E"], split=pools["P"] and pools["D"], merged=pools["PD"])
+
+
+@dataclasses.dataclass(frozen=True)
+class StagePlan:
+    """The hops one request takes, in order."""
+
+    encode: tuple[int, ...] = ()  # indices of the images an encoder computes
+    stored: tuple[int, ...] = ()  # images whose features the MM Store already holds
+    pixels_to_prefill: bool = False  # prefill gets the pixels (no encoder hop for them)
+    final: str = "PD"  # "PD": one instance answers; "P+D": prefill, KV hand-off, decode
+
+    @property
+    def hops(self) -> tuple[str, ...]:
+        head = ("E",) if self.encode else ()
+        return head + (("P", "D") if self.final == "P+D" else ("PD",))
+
+
+def plan_stages(images: int, stored: Sequence[bool], other_media: bool,
+                roster: Roster) -> StagePlan:
+    """The stages of a request with `images` image items (`stored[i]`: the MM Store
+    holds image i) and `other_media` (video/audio, which encoders take whole).
+
+    Text goes P -> D. Images go E -> P -> D when the deployment has encoders, skipping
+    E for the images the store holds; without encoders (EP-D, TP1) prefill encodes.
+    """
+    final = "P+D" if roster.split else "PD"
+    if not roster.encoders or not (images or other_media):
+        return StagePlan(final=final, pixels_to_prefill=bool(images or other_media))
+    if other_media:  # encoders take the whole request; prefill gets it with pixels
+        return StagePlan(encode=tuple(range(images)), final=final, pixels_to_prefill=True)
+    encode = tuple(i for i in range(images) if not stored[i])
+    kept = tuple(i for i in range(images) if stored[i])
+    return StagePlan(encode=encode, stored=kept, final=final)
+
+
+# -- which instance: filter ---------------------------------------------------------
+HOPS = ("E", "P", "D", "PD")
+
+
+def serves(inst: InstanceState, hop: str) -> bool:
+    """Whether an instance's roles cover a hop. An instance that prefills and decodes
+    is a PD instance, not a hand-off end; encoders are encoder-only instances (an EP
+    instance encodes its own requests' images as part of prefill)."""
+    stages = inst.entry.stages
+    if hop == "E":
+        return stages == {"E"}
+    if hop == "P":
+        return "P" in stages and "D" not in stages
+    if hop == "D":
+        return "D" in stages and "P" not in stages
+    return {"P", "D"} <= stages
+
+
+def eligible(instances: Iterable[InstanceState], hop: str,
+             exclude: Iterable[InstanceState] = ()) -> list[InstanceState]:
+    excluded = set(map(id, exclude))
+    return [i for i in instances
+            if serves(i, hop) and i.healthy and not i.draining and id(i) not in excluded]
+
+
+# -- which instance: scorers (lower is better) --------------------------------------
+@dataclasses.dataclass(frozen=True)
+class RouteRequest:
+    """What a policy may know about the hop: its size and, for images, its content."""
+
+    cost: float = 1.0  # prompt tokens (estimated), or image pixels for an encoder
+    key: str | None = None  # content key of the image(s) for hash affinity
+
+
+def load(inst: InstanceState) -> float:
+    """Requests on the instance: what we sent it, or what the engine says it holds if
+    more (other proxies, or requests we already gave up on), with KV use breaking ties
+    (a nearly full KV cache is about to queue)."""
+    engine = inst.engine_load()
+    queued = inst.in_flight if engine is None else max(inst.in_flight,
+                                                       engine.running + engine.waiting)
+    return queued + (engine.kv_cache_usage if engine else 0.0)
+
+
+def weighted_load(inst: InstanceState) -> float:
+    """The size of the work in flight on the instance; requests the engine reports
+    beyond ours count at the mean size of ours."""
+    engine = inst.engine_load()
+    cost = inst.in_flight_cost
+    if engine is not None and engine.running + engine.waiting > inst.in_flight:
+        mean = cost / inst.in_flight if inst.in_flight else 1.0
+        cost += (engine.running + engine.waiting - inst.in_flight) * mean
+    return cost
+
+
+def affinity(inst: InstanceState, req: RouteRequest) -> float:
+    """Rendezvous hashing: each key ranks every instance the same way on every proxy,
+    and removing an instance moves only the keys it held."""
+    return -xxhash.xxh3_64_intdigest(f"{req.key}\0{inst.name}".encode())
+
+
+# -- which instance: pickers ---------------------------------------------------------
+Scorer = Callable[[InstanceState, RouteRequest], float]
+
+
+@dataclasses.dataclass
+class Policy:
+    name: str
+    scorer: Scorer
+    two_choices: bool = False  # pick the better of two at random, then the rest
+
+    def rank(self, pool: list[InstanceState], req: RouteRequest, turn: int,
+             rng: random.Random) -> list[InstanceState]:
+        """`pool` best first; the rest follow so a failed hop can go on to the next."""
+        n = len(pool)
+        if n <= 1:
+            return pool
+        # Rotating the pool before a stable sort spreads ties evenly.
+        start = turn % n
+        rotated = pool[start:] + pool[:start]
+        if self.two_choices:
+            a, b = rng.sample(range(n), 2)
+            first = min((rotated[a], rotated[b]), key=lambda i: self.scorer(i, req))
+            rest = sorted((i for i in rotated if i is not first),
+                          key=lambda i: self.scorer(i, req))
+            return [first, *rest]
+        return sorted(rotated, key=lambda i: self.scorer(i, req))
+
+
+POLICIES: dict[str, Policy] = {p.name: p for p in (
+    Policy("round-robin", lambda inst, req: 0.0),  # the rotation alone decides
+    Policy("least-loaded", lambda inst, req: load(inst)),
+    Policy("size-weighted", lambda inst, req: weighted_load(inst)),
+    Policy("power-of-two", lambda inst, req: load(inst), two_choices=True),
+    Policy("hash-affinity", affinity),
+)}
+
+
+class Router:
+    """Picks instances for hops from the live table, with one policy per hop."""
+
+    def __init__(self, instances: Callable[[], Iterable[InstanceState]],
+                 policies: dict[str, str], seed: int | None = None):
+        self._instances = instances
+        self.policies = {hop: POLICIES[name] for hop, name in policies.items()}
+        self._turns = {hop: itertools.count() for hop in HOPS}
+        self._rng = random.Random(seed)
+
+    def policy(self, hop: str) -> Policy:
+        # A merged instance decodes: it follows the decode policy.
+        return self.policies["D" if hop == "PD" else hop]
+
+    def choose(self, hop: str, req: RouteRequest = RouteRequest(),
+               exclude: Iterable[InstanceState] = ()) -> list[InstanceState]:
+        """Healthy instances for `hop`, best first; empty if none."""
+        pool = eligible(self._instances(), hop, exclude)
+        policy = self.policy(hop)
+        if policy.name == "hash-affinity" and req.key is None:
+            policy = POLICIES["least-loaded"]
+        return policy.rank(pool, req, next(self._turns[hop]), self._rng)

