@@ -221,7 +221,9 @@ def main() -> None:
         ports.append(int(os.environ["VLLM_MOONCAKE_BOOTSTRAP_PORT"]))
     sockets = []
     for port in ports:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on sockets that say they are TCP
+        # (without it every small answer waits ~40 ms for a delayed ACK).
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((args.host, port))
         sockets.append(sock)

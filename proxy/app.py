@@ -16,7 +16,8 @@ import logging
 import os
 import re
 import time
-import uuid
+import itertools
+import secrets
 
 import aiohttp
 import msgspec
@@ -31,7 +32,7 @@ from epd_serve.proxy.membership import Membership, load_roster
 from epd_serve.proxy.metrics import ProxyMetrics
 from epd_serve.proxy.pipeline import Pipeline, Request
 from epd_serve.proxy.remote_media import RemoteFetcher
-from epd_serve.proxy.routing import Roster, Router, eligible
+from epd_serve.proxy.routing import Router, eligible
 from epd_serve.proxy.state import InstanceTable
 from epd_serve.proxy.trip import Trip
 from epd_serve.proxy.upstream import Upstream
@@ -61,6 +62,9 @@ class Proxy:
         self.api_key = os.environ.get(config.api_key_env) if config.api_key_env else None
         self.admin_key = os.environ.get(config.admin_key_env) if config.admin_key_env else None
         self.fetcher = RemoteFetcher(config.limits) if config.limits.allow_remote_urls else None
+        # Unique across restarts (a random prefix per process), cheap per request.
+        boot = secrets.token_hex(6)
+        self.request_ids = (f"epd-{boot}-{n}" for n in itertools.count())
         self.session: aiohttp.ClientSession | None = None
         self.pipeline: Pipeline | None = None
         self.membership: Membership | None = None
@@ -162,7 +166,7 @@ def create_app(config: ProxyConfig) -> web.Application:
         given_id = request.headers.get("x-request-id", "")
         req = Request(
             path=request.path, body=body,
-            request_id=given_id if REQUEST_ID.match(given_id) else f"epd-{uuid.uuid4().hex}",
+            request_id=given_id if REQUEST_ID.match(given_id) else next(proxy.request_ids),
             image_pixels=_image_pixels(body, pixels_by_url), text_chars=_text_chars(body),
             fault=request.headers.get("x-epd-fault"))
         metrics = proxy.metrics
@@ -214,7 +218,7 @@ def create_app(config: ProxyConfig) -> web.Application:
 
     async def health(request: web.Request) -> web.Response:
         instances = proxy.table.instances
-        roster = Roster.of(instances)
+        roster = proxy.table.roster
         final = ("P", "D") if roster.split else ("PD",)
         missing = [hop for hop in final if not eligible(instances, hop)]
         if missing:

@@ -57,7 +57,9 @@ class RoutingSettings(BaseModel):
     D: Policy = Field("least-loaded", description="Decode (and merged prefill+decode) "
                       "instances.")
     encoder_batch: int = Field(4, ge=1, description="Images per encoder request: a request's "
-                               "images are spread over the encoders in batches of at most this.")
+                               "images are sent in batches of at most this.")
+    fan_out: bool = Field(True, description="Spread a request's images over the encoders, "
+                          "encoded at once; false: all go to the encoder picked for the first.")
     encode_fallback: Literal["refuse", "prefill"] = Field(
         "refuse", description="With no encoder able to take an image: 'refuse' answers 503 "
         "(text keeps flowing); 'prefill' sends the pixels to prefill, which encodes itself.")

@@ -28,23 +28,28 @@ class NoEncoder(ProxyError):
 
 
 class Encoder:
-    def __init__(self, upstream: Upstream, router: Router, batch: int):
+    def __init__(self, upstream: Upstream, router: Router, batch: int, fan_out: bool = True):
         self.upstream = upstream
         self.router = router
         self.batch = batch
+        self.fan_out = fan_out
 
     def assign(self, images: Images, indices: list[int],
                sizes: list[float]) -> list[tuple[list[InstanceState], list[int]]]:
         """Batches of image indices, each with its encoders (first choice first)."""
         planned: dict[int, float] = defaultdict(float)  # id(encoder) -> work assigned here
         by_encoder: dict[int, tuple[list[InstanceState], list[int]]] = {}
+        whole: list[InstanceState] | None = None  # without fan-out: one encoder for all
         for i in indices:
-            order = self.router.choose("E", RouteRequest(cost=sizes[i], key=images.keys[i]))
+            order = whole or self.router.choose("E", RouteRequest(cost=sizes[i],
+                                                                  key=images.keys[i]))
+            if not self.fan_out:
+                whole = order
             if not order:
                 raise NoEncoder(503, "no healthy encoder (E) instance: requests with images "
                                 "are refused until one is back; text requests are served",
                                 "service_unavailable", reason="no_encoder")
-            if self.router.policy("E").name != "hash-affinity":
+            if self.fan_out and self.router.policy("E").name != "hash-affinity":
                 # Spread this request's own images: the table does not count them yet.
                 best = min(order, key=lambda e: (planned[id(e)], order.index(e)))
                 order = [best, *(e for e in order if e is not best)]
@@ -61,10 +66,15 @@ class Encoder:
         """Encode the images `indices`; what the encoders publish lands in `images`."""
         batches = self.assign(images, indices, sizes)
         started = time.perf_counter()
-        results = await asyncio.gather(
-            *(self._batch(path, images, order, items, sum(sizes[i] for i in items), trip)
-              for order, items in batches),
-            return_exceptions=True)
+        runs = [self._batch(path, images, order, items, sum(sizes[i] for i in items), trip)
+                for order, items in batches]
+        if len(runs) == 1:  # the common case: no tasks to create and gather
+            try:
+                results = [await runs[0]]
+            except Exception as err:
+                results = [err]
+        else:
+            results = await asyncio.gather(*runs, return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
         for error in failed:
             if not isinstance(error, Exception):

@@ -97,8 +97,12 @@ class Membership:
         path = Path(self.config.roster_path)
         rows = [{"entry": e.model_dump(), "source": s} for e, s in self.table.entries()]
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(rows, indent=2))
-        os.replace(tmp, path)  # a crash mid-write never leaves half a roster
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(rows, indent=2))
+            os.replace(tmp, path)  # a crash mid-write never leaves half a roster
+        except OSError as err:  # the roster still serves; only a restart would forget it
+            log.warning("could not keep the roster in %s: %s", path, err)
 
     # -- background tasks ------------------------------------------------------------
     def start(self) -> None:

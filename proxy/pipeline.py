@@ -21,7 +21,7 @@ from epd_serve.proxy.encoding import Encoder, NoEncoder
 from epd_serve.proxy.errors import ProxyError
 from epd_serve.proxy.features import FeatureDirectory, Images
 from epd_serve.proxy.handoff import make_handoff
-from epd_serve.proxy.routing import Roster, RouteRequest, Router, StagePlan, plan_stages
+from epd_serve.proxy.routing import RouteRequest, Router, StagePlan, plan_stages
 from epd_serve.proxy.state import InstanceTable
 from epd_serve.proxy.trip import StageRecord, Trip
 from epd_serve.proxy.upstream import Upstream
@@ -81,7 +81,8 @@ class Pipeline:
         self.upstream = upstream
         self.config = config
         self.handoff = make_handoff(config.kv_protocol, upstream, config)
-        self.encoder = Encoder(upstream, router, config.routing.encoder_batch)
+        self.encoder = Encoder(upstream, router, config.routing.encoder_batch,
+                               config.routing.fan_out)
         self.features = None
         if config.mm_store:
             endpoints = [i.prefetch_endpoint for i in config.instances if i.prefetch_endpoint]
@@ -95,7 +96,7 @@ class Pipeline:
                     route=RouteRequest(cost=max(1.0, tokens)))
         images = Images(req.body, self.config.model) if n_images else None
         stored = await self._stored(images)
-        plan = plan_stages(n_images, stored, other_media, Roster.of(self.table.instances))
+        plan = plan_stages(n_images, stored, other_media, self.table.roster)
         prepared = await self._encode(req, plan, images, trip)
         final = self._final_hop(req, plan, trip, images)
         return trip, await self._with_recompute(prepared, trip, final)

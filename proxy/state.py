@@ -119,12 +119,28 @@ class InstanceTable:
 
     def __init__(self, entries: Iterable[InstanceEntry] = (), source: str = "config"):
         self._by_name: dict[str, InstanceState] = {}
+        self._instances: list[InstanceState] = []
+        self._roster = None
         for entry in entries:
             self.add(entry, source)
 
     @property
     def instances(self) -> list[InstanceState]:
-        return list(self._by_name.values())
+        """Every instance (read on every request: kept as a list, rebuilt on change)."""
+        return self._instances
+
+    @property
+    def roster(self):
+        """What the deployment offers (routing.Roster), from the roles alone."""
+        if self._roster is None:
+            from epd_serve.proxy.routing import Roster  # routing imports this module
+
+            self._roster = Roster.of(self._instances)
+        return self._roster
+
+    def _changed(self) -> None:
+        self._instances = list(self._by_name.values())
+        self._roster = None
 
     def get(self, name: str) -> InstanceState | None:
         return self._by_name.get(name)
@@ -133,10 +149,12 @@ class InstanceTable:
         if entry.name in self._by_name:
             raise KeyError(entry.name)
         inst = self._by_name[entry.name] = InstanceState(entry, source=source)
+        self._changed()
         return inst
 
     def remove(self, name: str) -> InstanceState:
         inst = self._by_name.pop(name)
+        self._changed()
         inst.draining = True  # hops holding it finish; routing no longer sees it
         inst.healthy = False
         return inst

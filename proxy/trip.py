@@ -12,6 +12,10 @@ from typing import Any
 from epd_serve.proxy.routing import RouteRequest
 
 
+def _pipeline_order(record: "StageRecord") -> int:
+    return "EPD".find(record.stage[0])
+
+
 @dataclasses.dataclass
 class StageRecord:
     stage: str  # the hop: E, P, D or PD
@@ -35,10 +39,9 @@ class Trip:
     def header(self) -> str:
         """Stages in pipeline order (prefill and decode may run at the same time);
         a failed attempt is marked with '!' after the instance."""
-        parts = []
-        for rec in sorted(self.stages, key=lambda r: "EPD".find(r.stage[0])):
-            timing = f":{rec.ms:.1f}ms" if rec.ms is not None else ""
-            parts.append(f"{rec.stage}={rec.instance}{'!' if rec.failed else ''}{timing}")
+        parts = [f"{rec.stage}={rec.instance}{'!' if rec.failed else ''}"
+                 + (f":{rec.ms:.1f}ms" if rec.ms is not None else "")
+                 for rec in sorted(self.stages, key=_pipeline_order)]
         if self.kv:
             kv = self.kv
             fields = [str(kv.get("outcome", "?"))]

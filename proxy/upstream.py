@@ -17,6 +17,7 @@ from typing import Any
 
 import aiohttp
 import msgspec
+from yarl import URL
 
 from epd_serve.proxy.errors import ProxyError
 from epd_serve.proxy.metrics import ProxyMetrics
@@ -72,6 +73,7 @@ class Upstream:
         self.router = router
         self.session = session
         self.metrics = metrics
+        self._urls: dict[tuple[str, str], URL] = {}
 
     # -- leases ------------------------------------------------------------------------
     def _take(self, inst: InstanceState, hop: str, trip: Trip) -> Lease:
@@ -195,7 +197,9 @@ class Upstream:
                        headers: dict) -> aiohttp.ClientResponse:
         """A pooled keep-alive connection that the instance closed just as we reused it
         fails before the request is read; one retry on a fresh connection is safe."""
-        url = inst.entry.url + path
+        url = self._urls.get((inst.entry.url, path))
+        if url is None:  # parsed once per instance and route, not per request
+            url = self._urls[inst.entry.url, path] = URL(inst.entry.url + path)
         try:
             return await self.session.post(url, data=payload, headers=headers)
         except aiohttp.ServerDisconnectedError:

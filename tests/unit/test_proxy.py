@@ -328,6 +328,16 @@ def test_images_of_one_request_are_encoded_on_both_encoders_at_once():
         assert set(d.seen("p2")[0]["body"]["ec_transfer_params"]) == keys
 
 
+def test_without_fan_out_every_image_of_a_request_goes_to_one_encoder():
+    images = [tiny_image(seed) for seed in range(4)]
+    with deployment(["E", "E", "P", "D"], routing={"E": "least-loaded", "fan_out": False,
+                                                   "encoder_batch": 8}) as d:
+        resp = chat(d, "four", images)
+        assert resp.status_code == 200, resp.text
+        sent = [len(r["body"]["messages"][0]["content"]) for r in d.seen("e0") + d.seen("e1")]
+        assert sent == [4]
+
+
 def test_encoder_batches_hold_at_most_the_configured_number_of_images():
     images = [tiny_image(seed) for seed in range(5)]
     with deployment(["E", "P", "D"], routing={"encoder_batch": 2}) as d:
