@@ -43,7 +43,7 @@ request_log = logging.getLogger("epd_serve.proxy.requests")
 STAGES_HEADER = "x-epd-stages"
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,96}$")
 PROXY = web.AppKey("proxy", object)  # the running Proxy, for tests that look inside
-GENERATE_ROUTES = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
+GENERATE_ROUTES = ("/v1/chat/completions", "/v1/completions")
 # Engines answer /health and /metrics; instances call back /v1/metaserver.
 OPEN_PATHS = {"/health", "/metrics", "/v1/metaserver"}
 
@@ -60,6 +60,10 @@ class Proxy:
         self.router = Router(lambda: self.table.instances, {
             "E": config.routing.E, "P": config.routing.P, "D": config.routing.D})
         self.api_key = os.environ.get(config.api_key_env) if config.api_key_env else None
+        if config.api_key_env and not self.api_key:
+            # Asked for a key but given none: refuse to start rather than serve openly.
+            raise ValueError(f"proxy.api_key_env names {config.api_key_env}, which is not set "
+                             "in the proxy's environment")
         self.admin_key = os.environ.get(config.admin_key_env) if config.admin_key_env else None
         self.fetcher = RemoteFetcher(config.limits) if config.limits.allow_remote_urls else None
         # Unique across restarts (a random prefix per process), cheap per request.

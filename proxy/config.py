@@ -7,6 +7,7 @@ Pure data (pydantic), validated once at start-up; nothing here runs per request.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Literal
@@ -41,8 +42,9 @@ class InstanceEntry(BaseModel):
             raise ValueError(f"roles must be stage letters from E, P, D, e.g. 'PD'; got {value!r}")
         return "".join(s for s in "EPD" if s in value)  # pipeline order
 
-    @property
+    @functools.cached_property
     def stages(self) -> frozenset[str]:
+        """The roles as a set (read on every routing decision, so made once)."""
         return frozenset(self.roles)
 
 

@@ -128,8 +128,14 @@ class Upstream:
             self.release(lease, trip, f"HTTP {resp.status}: {error_message(text)}",
                          instance_fault=resp.status >= 500)
             raise upstream_error(lease.inst, resp.status, text)
+        try:
+            answer = msgspec.json.decode(raw)
+        except msgspec.DecodeError:
+            self.release(lease, trip, "answer is not JSON")
+            raise ProxyError(502, f"instance {lease.inst.name} answered something that is not "
+                             "JSON", "upstream_error", reason="bad_answer") from None
         self.release(lease, trip)
-        return lease.inst, msgspec.json.decode(raw)
+        return lease.inst, answer
 
     async def open_stream(self, hop: str, path: str, body: dict, trip: Trip,
                           candidates: list[InstanceState] | None = None) -> "Stream":

@@ -639,3 +639,10 @@ def test_metrics_count_hops_per_stage_and_instance_retries_and_failures():
                      'epd_proxy_first_token_seconds_count{instance="d3"} 1.0',
                      'epd_proxy_kv_transfer_seconds_count{instance="d3"} 1.0'):
             assert line in text, line
+
+
+def test_a_named_but_unset_api_key_refuses_to_start(monkeypatch):
+    monkeypatch.delenv("EPD_UNSET_KEY", raising=False)
+    config = ProxyConfig(model="fake", instances=[], api_key_env="EPD_UNSET_KEY")
+    with pytest.raises(ValueError, match="EPD_UNSET_KEY"):
+        create_app(config)
