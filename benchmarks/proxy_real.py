@@ -17,10 +17,11 @@ instances for each routing variant in turn, and measures in one run:
 
 On a two-core host every instance's threads share both cores, so two encoders are
 not two devices: measured directly, 2+2 images on two busy encoders at once took
-1029 ms against 504 ms for all 4 on one (their OpenMP threads oversubscribe the cores).
+965 ms against 464 ms for all 4 on one (their OpenMP threads oversubscribe the
+cores; benchmarks/encoder_scaling.py).
 By default the bench pins every thread of each encoder to a core of its own (e0 ->
 core 0, e1 -> core 1; the merged instance keeps both), which is what two encoder
-devices are (then 2+2 at once: 384 ms, 4 on one: 633 ms); --no-pin measures the
+devices are (then 2+2 at once: 380 ms, 4 on one: 558 ms); --no-pin measures the
 shared-cores case.
 
 Prints a table per part and ends with one summary line; writes
