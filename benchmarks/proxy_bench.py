@@ -1,7 +1,7 @@
 """The proxy's own overhead, measured against instant fake instances.
 
-Starts one fake instance process per role (E, P, D: epd_serve.fake_server's app, which
-answers at once, under uvicorn; see `serve_fake`) and measures one fake directly; then
+Starts one fake instance process per role (E, P, D: `python -m epd_serve.fake_server
+--forget-requests`, which answers at once) and measures one fake directly; then
 starts the proxy (`--proxy-cmd`, its own process) in front of the three fakes with the
 "epd" KV hand-off and measures the same requests through it. The load client runs in
 this process (aiohttp, on uvloop when installed).
@@ -74,6 +74,8 @@ from rich.console import Console
 from rich.table import Table
 
 from epd_serve.bench.arrivals import poisson
+from epd_serve.bench.client import SPIN_WINDOW_S
+from epd_serve.bench.client import run as run_loop
 from epd_serve.payloads import chat_body, image_data_url, make_image
 
 REPO = Path(__file__).resolve().parents[1]
@@ -83,7 +85,6 @@ MODEL = "fake"
 MAX_TOKENS = 4
 CHAT = "/v1/chat/completions"
 REQUEST_TIMEOUT_S = 30.0
-SPIN_WINDOW_S = 0.0015  # open loop: sleep until this close to a send time, then spin
 GOAL_P99_ADDED_MS = 5.0
 GOAL_TEXT_PCT = 30.0
 GOAL_IMAGE_PCT = 20.0
@@ -182,39 +183,7 @@ class CpuMeter:
         return total
 
 
-def serve_fake(port: int, name: str) -> None:
-    """One fake instance: `epd_serve.fake_server`'s app under uvicorn.run. Not that
-    module's main: it binds a socket made without IPPROTO_TCP, so asyncio does not set
-    TCP_NODELAY on its connections and each plain answer (headers, then body) waits
-    about 40 ms for the client's delayed ACK, which would swamp what is measured here.
-    uvicorn's own binding sets it; its default loop (uvloop when installed) is also
-    the proxy's and vLLM's. It does not keep the requests it gets."""
-    import uvicorn
-
-    from epd_serve.fake_server import create_fake_app
-
-    app = create_fake_app(name)
-    if isinstance(getattr(app.state, "requests", None), list):
-        # It keeps every request for tests to inspect: hundreds of thousands here, whose
-        # growing heap would slow its garbage collection as the run goes on.
-        app.state.requests = _Forgetful()
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
-
-
-class _Forgetful(list):
-    def append(self, item) -> None:
-        pass
-
-
 # -- the load client ------------------------------------------------------------------
-def run_loop(coro):
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
-
-
 def new_session(limit: int) -> aiohttp.ClientSession:
     connector = aiohttp.TCPConnector(limit=limit, limit_per_host=limit)
     return aiohttp.ClientSession(connector=connector,
@@ -452,14 +421,10 @@ def main() -> int:
                         "output; files get a -<label> suffix unless it is the default")
     parser.add_argument("--fake-cmd", default=None,
                         help="command that runs one fake instance, given --port N --name X "
-                             "after it (default: this script's serve_fake)")
+                             "after it (default: '<python> -m epd_serve.fake_server "
+                             "--forget-requests')")
     parser.add_argument("--out-dir", type=Path, default=OUT_DIR)
-    parser.add_argument("--serve-fake", nargs=2, metavar=("PORT", "NAME"),
-                        help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.serve_fake:
-        serve_fake(int(args.serve_fake[0]), args.serve_fake[1])
-        return 0
     seconds = args.seconds or (1.5 if args.quick else 4.0)
     warmup = args.warmup if args.warmup is not None else (0.3 if args.quick else 0.5)
     open_seconds = args.open_seconds or (4.0 if args.quick else 10.0)
@@ -510,12 +475,11 @@ def measure(args, children: Children, work: Path, proxy_argv: list[str], seconds
                       "the start: other work shares the cores, the numbers will be noisy")
     bodies = build_bodies()
     fakes = {role: free_port() for role in ("E", "P", "D")}
+    fake_argv = (shlex.split(args.fake_cmd) if args.fake_cmd else
+                 [args.python, "-m", "epd_serve.fake_server", "--forget-requests"])
     for role, port in fakes.items():
         name = f"fake-{role.lower()}"
-        argv = ([*shlex.split(args.fake_cmd), "--port", str(port), "--name", name]
-                if args.fake_cmd else
-                [args.python, str(Path(__file__).resolve()), "--serve-fake", str(port), name])
-        children.start(name, argv)
+        children.start(name, [*fake_argv, "--port", str(port), "--name", name])
     for role, port in fakes.items():
         name = f"fake-{role.lower()}"
         wait_healthy(f"http://127.0.0.1:{port}", children.procs[name], children, name)
@@ -617,7 +581,7 @@ def measure(args, children: Children, work: Path, proxy_argv: list[str], seconds
     return {
         "label": args.label,
         "proxy_cmd": proxy_argv,
-        "fake_cmd": args.fake_cmd or "serve_fake (epd_serve.fake_server app, uvicorn.run)",
+        "fake_cmd": fake_argv,
         "cpus": os.cpu_count(),
         "load_avg_1min": {"start": round(load_start, 2), "end": round(os.getloadavg()[0], 2)},
         "settings": {"seconds": seconds, "warmup_s": warmup, "open_seconds": open_seconds,

@@ -48,6 +48,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from epd_serve import deploy  # noqa: E402
+from epd_serve.bench.arrivals import poisson  # noqa: E402
 from epd_serve.bench.client import run, run_schedule  # noqa: E402
 from epd_serve.bench.metrics import SLO, summarize  # noqa: E402
 from epd_serve.bench.stages import parse as parse_stages  # noqa: E402
@@ -180,13 +181,10 @@ def calibrate_large(url: str, model: str, side: int, seed: int) -> float:
 
 def skewed(dep, model: str, n: int, rate: float, large: int, small: int,
            slo_factor: float, seed: int) -> dict:
-    import numpy as np
-
     with variant_proxy(dep, "least-loaded") as url:
         unloaded = calibrate_large(url, model, large, seed)
     slo = SLO(ttft_ms=slo_factor * unloaded, tpot_ms=1e6)
-    offsets = np.cumsum(np.random.default_rng(7).exponential(1 / rate, n))
-    offsets -= offsets[0]
+    offsets = poisson(n, rate, seed=7)
     out = {"unloaded_large_ms": unloaded, "slo_ttft_ms": slo.ttft_ms, "rate": rate,
            "requests": n, "policies": {}}
     for k, name in enumerate(("round-robin", "least-loaded", "size-weighted")):

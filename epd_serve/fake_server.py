@@ -23,9 +23,13 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from epd_serve.bench.client import run
+
 
 def create_fake_app(name: str = "fake", ttft_ms: float = 0.0, itl_ms: float = 0.0,
-                    fail_status: int | None = None) -> FastAPI:
+                    fail_status: int | None = None, record: bool = True) -> FastAPI:
+    """`record`: keep every request for GET /_requests (tests); a benchmark sending
+    hundreds of thousands turns it off, or the growing heap slows the fake down."""
     app = FastAPI()
     app.state.requests = []
     app.state.fail_status = fail_status
@@ -82,8 +86,9 @@ def create_fake_app(name: str = "fake", ttft_ms: float = 0.0, itl_ms: float = 0.
     async def answer(request: Request, kind: str):
         body = await request.json()
         request_id = request.headers.get("x-request-id")
-        app.state.requests.append({"path": request.url.path, "body": body,
-                                   "request_id": request_id})
+        if record:
+            app.state.requests.append({"path": request.url.path, "body": body,
+                                       "request_id": request_id})
         if app.state.fail_status:
             return JSONResponse({"error": {"message": f"{name} is failing on purpose"}},
                                 status_code=app.state.fail_status)
@@ -213,8 +218,11 @@ def main() -> None:
     parser.add_argument("--name", default="fake")
     parser.add_argument("--ttft-ms", type=float, default=0.0)
     parser.add_argument("--itl-ms", type=float, default=0.0)
+    parser.add_argument("--forget-requests", action="store_true",
+                        help="keep no record of the requests (long benchmark runs)")
     args, _unknown = parser.parse_known_args()  # tolerate engine flags from a launcher
-    app = create_fake_app(args.name, args.ttft_ms, args.itl_ms)
+    app = create_fake_app(args.name, args.ttft_ms, args.itl_ms,
+                          record=not args.forget_requests)
     # Like a vLLM KV producer, also answer the Mooncake bootstrap query on its own port.
     ports = [args.port]
     if os.environ.get("VLLM_MOONCAKE_BOOTSTRAP_PORT"):
@@ -228,7 +236,7 @@ def main() -> None:
         sock.bind((args.host, port))
         sockets.append(sock)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
-    asyncio.run(server.serve(sockets=sockets))
+    run(server.serve(sockets=sockets))  # on uvloop where installed, like vLLM's server
 
 
 if __name__ == "__main__":

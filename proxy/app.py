@@ -26,7 +26,7 @@ from pydantic import ValidationError
 
 from epd_serve.proxy.config import InstanceEntry, ProxyConfig
 from epd_serve.proxy.errors import ProxyError, bad_request
-from epd_serve.proxy.features import image_parts
+from epd_serve.proxy.features import image_parts, image_url_of
 from epd_serve.proxy.guards import check_request
 from epd_serve.proxy.membership import Membership, load_roster
 from epd_serve.proxy.metrics import ProxyMetrics
@@ -330,9 +330,7 @@ def _image_pixels(body: dict, pixels_by_url: dict[str, int]) -> list[int]:
     """Pixels of each image_url part (0 where unknown), as the guards found them."""
     pixels = []
     for part in image_parts(body):
-        image_url = part.get("image_url")
-        url = image_url.get("url") if isinstance(image_url, dict) else image_url
-        pixels.append(pixels_by_url.get(url, 0))
+        pixels.append(pixels_by_url.get(image_url_of(part), 0))
     return pixels
 
 

@@ -66,15 +66,10 @@ class Encoder:
         """Encode the images `indices`; what the encoders publish lands in `images`."""
         batches = self.assign(images, indices, sizes)
         started = time.perf_counter()
-        runs = [self._batch(path, images, order, items, sum(sizes[i] for i in items), trip)
-                for order, items in batches]
-        if len(runs) == 1:  # the common case: no tasks to create and gather
-            try:
-                results = [await runs[0]]
-            except Exception as err:
-                results = [err]
-        else:
-            results = await asyncio.gather(*runs, return_exceptions=True)
+        results = await asyncio.gather(
+            *(self._batch(path, images, order, items, sum(sizes[i] for i in items), trip)
+              for order, items in batches),
+            return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
         for error in failed:
             if not isinstance(error, Exception):
@@ -107,8 +102,8 @@ class Encoder:
         # One retry on another encoder: a failing image should not visit every encoder.
         batch_trip = Trip(trip.request_id, True, RouteRequest(cost=cost))
         try:
-            inst, answer = await self.upstream.post("E", path, images.encoder_body(items),
-                                                    batch_trip, order[:2])
+            inst, answer = await self.upstream.post(
+                "E", path, single_token(images.encoder_body(items)), batch_trip, order[:2])
         finally:
             trip.retries += batch_trip.retries
             trip.stages += [s for s in batch_trip.stages if s.failed]

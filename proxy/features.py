@@ -43,7 +43,8 @@ def image_key(model: str, url: str) -> str:
     return xxhash.xxh3_128_hexdigest(f"{model}\0{url}".encode())
 
 
-def _url(part: dict) -> str | None:
+def image_url_of(part: dict) -> str | None:
+    """The URL of an image_url part, given as {"url": ...} or as the string itself."""
     image_url = part.get("image_url")
     url = image_url.get("url") if isinstance(image_url, dict) else image_url
     return url if isinstance(url, str) else None
@@ -79,7 +80,7 @@ class Images:
     def __init__(self, body: dict, model: str):
         self.keys: list[str] = []
         for part in image_parts(body):
-            url = _url(part)
+            url = image_url_of(part)
             if url is None:
                 raise ValueError("an image_url part has no url")
             self.keys.append(image_key(model, url))
@@ -95,7 +96,7 @@ class Images:
         """The request an encoder runs for some of the images: just those images."""
         body = {k: self.pixel_body[k] for k in ENCODER_FIELDS if k in self.pixel_body}
         body["messages"] = [{"role": "user", "content": [self.parts[i] for i in indices]}]
-        return single_token_fields(body)
+        return body
 
     def learn(self, ec_transfer_params: dict | None, indices: list[int]) -> None:
         """Take what the encoder published for the images `indices` it was sent. Its
@@ -125,11 +126,6 @@ class Images:
         return _replace_images(self.pixel_body, lambda i, part: {
             "type": "image_embeds", "image_embeds": self.placeholders[self.keys[i]],
             "uuid": self.keys[i]})
-
-
-def single_token_fields(body: dict) -> dict:
-    """A stage that only encodes or prefills: one token, not streamed."""
-    return {**body, "max_tokens": 1, "stream": False}
 
 
 class FeatureDirectory:

@@ -19,7 +19,7 @@ from epd_serve.mmstore import StoreSpec
 from epd_serve.proxy.config import ProxyConfig
 from epd_serve.proxy.encoding import Encoder, NoEncoder
 from epd_serve.proxy.errors import ProxyError
-from epd_serve.proxy.features import FeatureDirectory, Images
+from epd_serve.proxy.features import FeatureDirectory, Images, all_parts
 from epd_serve.proxy.handoff import make_handoff
 from epd_serve.proxy.routing import RouteRequest, Router, StagePlan, plan_stages
 from epd_serve.proxy.state import InstanceTable
@@ -62,15 +62,9 @@ class Prepared:
 
 def media_kinds(body: dict) -> tuple[int, bool]:
     """(image_url parts, whether other media parts are present) of a chat request."""
-    images, other = 0, False
-    for message in body.get("messages") or ():
-        content = message.get("content")
-        if isinstance(content, list):
-            for part in content:
-                kind = part.get("type")
-                images += kind in IMAGE_PARTS
-                other = other or kind in OTHER_MEDIA_PARTS
-    return images, other
+    kinds = [part.get("type") for part in all_parts(body)]
+    return (sum(kind in IMAGE_PARTS for kind in kinds),
+            any(kind in OTHER_MEDIA_PARTS for kind in kinds))
 
 
 class Pipeline:

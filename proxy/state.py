@@ -49,9 +49,6 @@ class InstanceState:
     def name(self) -> str:
         return self.entry.name
 
-    def runs(self, stage: str) -> bool:
-        return stage in self.entry.stages
-
     def engine_load(self) -> EngineLoad | None:
         if self.engine is None or time.monotonic() - self.engine.read_at > ENGINE_LOAD_TTL_S:
             return None

@@ -32,7 +32,7 @@ TRANSPORT_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, O
                     asyncio.TimeoutError)
 RETRIES_AFTER_5XX = 1
 
-__all__ = ["ProxyError", "Stream", "Upstream", "final_stage", "single_token"]
+__all__ = ["Stream", "Upstream", "single_token"]
 
 
 def single_token(body: dict, **overrides: Any) -> dict:
@@ -41,11 +41,6 @@ def single_token(body: dict, **overrides: Any) -> dict:
            if k not in ("max_completion_tokens", "stream_options", "min_tokens")}
     out.update({"max_tokens": 1, "stream": False, **overrides})
     return out
-
-
-def final_stage(inst: InstanceState) -> str:
-    """Label of the hop that produces the answer: D, or PD for a merged instance."""
-    return "D" if not inst.runs("P") else "PD"
 
 
 def error_message(text: str) -> str:
