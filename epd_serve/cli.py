@@ -1,4 +1,5 @@
-"""The `epd-serve` command line: topology, model, up, down, launch, status, demo, bench.
+"""The `epd-serve` command line: topology, model, up, down, launch, check-flags, status,
+demo, bench.
 
 Runs in the user's shell. Heavy imports (torch, transformers, matplotlib) happen inside
 the subcommand that needs them, so `epd-serve --help` and `topology` stay instant.
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from epd_serve import topology
 from epd_serve.bench.cli import add_bench_parser
-from epd_serve.config import ConfigError
+from epd_serve.config import PLATFORMS, ConfigError
 
 
 def _fail(message: str) -> int:
@@ -206,6 +207,24 @@ def cmd_status(args) -> int:
     return 0
 
 
+def cmd_check_flags(args) -> int:
+    from epd_serve import flagcheck
+
+    if args.configs:
+        configs = [Path(c) for c in args.configs]
+    else:
+        try:
+            configs = flagcheck.shipped_configs(args.platform)
+        except FileNotFoundError as err:
+            return _fail(str(err))
+    try:
+        reports = flagcheck.check(configs, python=args.python)
+    except RuntimeError as err:
+        return _fail(str(err))
+    print(flagcheck.to_json(reports) if args.json else flagcheck.render(reports))
+    return 0 if all(r.ok for r in reports) else 1
+
+
 def cmd_demo(args) -> int:
     from epd_serve.demo import run_demo
 
@@ -251,6 +270,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write a bash script that starts the whole deployment")
     p.add_argument("-o", "--output", help="file for --emit-shell (default: stdout)")
     p.set_defaults(func=cmd_launch)
+
+    p = sub.add_parser("check-flags",
+                       help="check every emitted engine command line with the engine's own parser")
+    p.add_argument("configs", nargs="*",
+                   help="deployment files (default: the shipped files of --platform)")
+    p.add_argument("--platform", choices=PLATFORMS, default="cpu",
+                   help="whose shipped files to check when none are named (default cpu)")
+    p.add_argument("--python", default=sys.executable,
+                   help="the Python of the engine to check against (default: this one)")
+    p.add_argument("--json", action="store_true", help="machine-readable report")
+    p.set_defaults(func=cmd_check_flags)
 
     p = sub.add_parser("status", help="the proxy's live instance table")
     p.add_argument("config", nargs="?", help="deployment file; its proxy is asked")

@@ -257,6 +257,11 @@ def store_spec_of(config: Deployment) -> StoreSpec | None:
     store = config.mm_store
     if store.backend == "file" or not any(i.roles == "E" for i in config.plan.instances):
         return None
+    if (why := get_platform(config.platform).own_connectors_unavailable) is not None:
+        if "backend" not in store.model_fields_set:
+            return None  # this platform's default is vLLM's file connector
+        raise ConfigError(f"{config.name}: mm_store backend {store.backend!r} does not run on "
+                          f"{config.platform}: {why}. Set mm_store: {{backend: file}}.")
     return StoreSpec(backend=store.backend, host=config.host, port=store.port,
                      metrics_port=store.metrics_port, capacity_bytes=int(store.capacity),
                      name=config.name)

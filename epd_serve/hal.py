@@ -118,6 +118,9 @@ class Platform(ABC):
     kv_connectors: ClassVar[dict[str, Connector]]
     default_kv_protocol: ClassVar[str]
     ec_connector: ClassVar[Connector]  # file-based, for deployments without the MM Store
+    # Why our own connectors (the MM Store's EC connector, the layer-grouped KV
+    # connector) cannot load in this platform's pinned engine, or None where they can.
+    own_connectors_unavailable: ClassVar[str | None] = None
     # Fraction of a device's memory that all instances on it may use together.
     usable_memory: ClassVar[float] = 0.9
 
@@ -142,7 +145,8 @@ class Platform(ABC):
 
     def kv_connector(self, protocol: str) -> Connector:
         if protocol not in self.kv_connectors:
-            raise ValueError(f"KV connector {protocol!r} does not run on {self.name}; "
+            why = f" ({self.own_connectors_unavailable})" if self.own_connectors_unavailable else ""
+            raise ValueError(f"KV connector {protocol!r} does not run on {self.name}{why}; "
                              f"choose one of {', '.join(self.kv_connectors)}")
         return self.kv_connectors[protocol]
 

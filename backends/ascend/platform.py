@@ -19,15 +19,17 @@ class AscendPlatform(Platform):
     memory_flag = "--gpu-memory-utilization"  # vllm-ascend keeps vLLM's flag name
     attention_backend = None  # vllm-ascend registers its own NPU attention
     # vllm-ascend registers MooncakeLayerwiseConnector itself (no module path): the
-    # prefill side pushes each layer's KV into decode's registered NPU memory. Ours runs
-    # on the transfer engine's Ascend transport.
-    kv_connectors = {
-        "ascend-layerwise": Connector("MooncakeLayerwiseConnector"),
-        "epd": Connector("EPDKVConnector", "epd_serve.connectors.epd_kv", {"protocol": "ascend"}),
-    }
+    # prefill side pushes each layer's KV into decode's registered NPU memory.
+    kv_connectors = {"ascend-layerwise": Connector("MooncakeLayerwiseConnector")}
     default_kv_protocol = "ascend-layerwise"
     # vllm-ascend has no EC connector of its own and uses vLLM's file-based one.
     ec_connector = Connector("ECExampleConnector")
+    own_connectors_unavailable = (
+        "the pinned vllm-ascend 0.23.0 runs on vLLM 0.23.0, whose connector API lacks what "
+        "our MM Store and layer-grouped KV connectors are built on (vLLM 0.32's EC "
+        "placeholder metadata and KV transfer results), so `epd-serve check-flags` rejects "
+        "them there; Atlas deployments hand features over with vLLM's file-based "
+        "ECExampleConnector and KV with vllm-ascend's MooncakeLayerwiseConnector")
     usable_memory = 0.9
 
     def platform_env(self, launch) -> dict[str, str]:
@@ -36,7 +38,6 @@ class AscendPlatform(Platform):
             "HCCL_BUFFSIZE": "256",
             "TASK_QUEUE_ENABLE": "1",
             "OMP_PROC_BIND": "false",
-            "VLLM_USE_V1": "1",
         }
 
     def check_available(self) -> None:

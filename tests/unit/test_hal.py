@@ -159,12 +159,19 @@ def test_ascend_uses_npu_visibility_and_layerwise_mooncake():
     assert kv["kv_port"] == "8900"
     assert kv["kv_connector_extra_config"]["prefill"] == {"dp_size": 1, "tp_size": 1}
     assert json.loads(flag(inst["d0"][0], "--kv-transfer-config"))["kv_port"] == "8901"
-    ours = by_name(resolved("ascend", "P-D", kv_connector="epd"))
-    kv = json.loads(flag(ours["p0"][0], "--kv-transfer-config"))
-    assert kv["kv_connector"] == "EPDKVConnector"
-    assert kv["kv_connector_extra_config"]["protocol"] == "ascend"
+    ec = json.loads(flag(inst["e0"][0], "--ec-transfer-config"))
+    assert ec["ec_connector"] == "ECExampleConnector"  # the file connector by default
     assert flag(inst["e0"][0], "--gpu-memory-utilization") == "0.18"
     assert inst["d0"][1]["ASCEND_RT_VISIBLE_DEVICES"] == "1"
+
+
+def test_ascend_refuses_our_connectors_with_the_reason():
+    """vllm-ascend 0.23.0 runs on vLLM 0.23.0, where our connectors do not load (the
+    flag check against that engine rejects them): asking for them is a config error."""
+    with pytest.raises(config.ConfigError, match="does not run on ascend.*vLLM 0.23.0"):
+        resolved("ascend", "P-D", kv_connector="epd")
+    with pytest.raises(config.ConfigError, match="mm_store backend 'shm' does not run on ascend"):
+        resolved("ascend", "E-P-D", mm_store={"backend": "shm"})
 
 
 def test_cpu_commands_use_our_connectors_and_kv_cache_env():

@@ -1,0 +1,132 @@
+"""`epd-serve check-flags`: every engine command line our configs emit, checked by the
+engine that will run it.
+
+Runs in the CLI. For each deployment file it builds exactly what `epd-serve up` and
+`launch --emit-shell` start (HAL command line and environment per instance), hands
+them to `epd_serve.engine_probe` running under the engine's Python (this one, or a
+scratch environment holding a platform's pinned stack: scripts/check-engine-flags.sh),
+and reports every flag the engine rejects by config, instance and flag, plus what the
+probe could not check and why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from epd_serve import deploy
+from epd_serve.hal import get_platform
+
+# Where the shipped deployment files of each platform live, relative to the repository.
+SHIPPED_CONFIGS = {"cpu": "configs/cpu", "cuda": "configs/h800", "ascend": "configs/atlas-800i-a2"}
+PROBE_TIMEOUT_S = 600
+
+
+@dataclasses.dataclass(frozen=True)
+class Reject:
+    config: str
+    instance: str
+    flag: str
+    message: str
+
+
+@dataclasses.dataclass
+class Report:
+    platform: str
+    engine: dict[str, Any]
+    rejects: list[Reject]
+    checked: int  # command lines checked
+    unchecked: Counter  # (what, reason) -> how many command lines
+
+    @property
+    def ok(self) -> bool:
+        return not self.rejects
+
+
+def shipped_configs(platform: str, root: Path = Path(".")) -> list[Path]:
+    folder = root / SHIPPED_CONFIGS[platform]
+    configs = sorted(folder.glob("*.yaml"))
+    if not configs:
+        raise FileNotFoundError(f"no deployment files in {folder} (run from the repository)")
+    return configs
+
+
+def engine_launches(config_path: Path, build_models: bool = True) -> list[dict[str, Any]]:
+    """One probe entry per instance: the engine's arguments as `--model MODEL ...` (the
+    program that starts the server stripped) and the environment it gets."""
+    dep = deploy.load(config_path)
+    if build_models:
+        deploy.ensure_model(dep)  # tiny models are built offline in a second
+    platform = get_platform(dep.config.platform)
+    program = platform.engine_launcher()
+    entries = []
+    for launch in dep.launches:
+        command = platform.command(launch)
+        if command[:len(program)] != program:
+            raise AssertionError(f"{launch.name}: command does not start with {program}")
+        rest = command[len(program):]
+        if program[-1] == "--model":  # `python -m ...api_server --model MODEL`
+            rest = rest[1:]
+        entries.append({"config": str(config_path), "instance": launch.name,
+                        "platform": platform.name, "device_type": platform.device_type,
+                        "argv": ["--model", launch.model, *rest],
+                        "env": platform.environment(launch)})
+    return entries
+
+
+def run_probe(entries: list[dict[str, Any]], python: str = sys.executable) -> dict[str, Any]:
+    """Run the probe under `python`; its environment starts from the first launch's so
+    the engine detects the platform it will run on."""
+    env = {**os.environ, **(entries[0]["env"] if entries else {})}
+    proc = subprocess.run([python, "-m", "epd_serve.engine_probe"], input=json.dumps(entries),
+                          capture_output=True, text=True, env=env, timeout=PROBE_TIMEOUT_S)
+    if proc.returncode != 0 or not proc.stdout.strip():
+        tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
+        raise RuntimeError(f"the engine probe under {python} failed (exit {proc.returncode}):\n{tail}")
+    return json.loads(proc.stdout)
+
+
+def check(configs: list[Path], python: str = sys.executable) -> list[Report]:
+    """Check every config; one probe process per platform (vLLM imports once)."""
+    by_platform: dict[str, list[dict[str, Any]]] = {}
+    for path in configs:
+        for entry in engine_launches(path):
+            by_platform.setdefault(entry["platform"], []).append(entry)
+    reports = []
+    for platform, entries in by_platform.items():
+        raw = run_probe(entries, python)
+        rejects = [Reject(r["config"], r["instance"], x["flag"], x["message"])
+                   for r in raw["launches"] for x in r["rejects"]]
+        unchecked = Counter((u["what"], u["reason"]) for r in raw["launches"] for u in r["unchecked"])
+        for note in raw["notes"]:
+            unchecked[(note["what"], note["reason"])] += len(entries)
+        reports.append(Report(platform, raw["engine"], rejects, len(entries), unchecked))
+    return reports
+
+
+def render(reports: list[Report]) -> str:
+    lines = []
+    for report in reports:
+        engine = ", ".join(f"{k} {v}" for k, v in report.engine.items() if v)
+        verdict = "ok" if report.ok else f"{len(report.rejects)} rejected"
+        lines.append(f"{report.platform}: {report.checked} command line(s) checked against "
+                     f"{engine}: {verdict}")
+        for r in report.rejects:
+            lines.append(f"  REJECTED {r.config} {r.instance} {r.flag}: {r.message}")
+        for (what, reason), count in sorted(report.unchecked.items()):
+            lines.append(f"  not checked ({count}x) {what}: {reason}")
+    return "\n".join(lines)
+
+
+def to_json(reports: list[Report]) -> str:
+    return json.dumps([{"platform": r.platform, "engine": r.engine, "checked": r.checked,
+                        "rejects": [dataclasses.asdict(x) for x in r.rejects],
+                        "unchecked": [{"what": w, "reason": why, "count": n}
+                                      for (w, why), n in r.unchecked.items()]}
+                       for r in reports], indent=2)
