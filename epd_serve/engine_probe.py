@@ -135,18 +135,15 @@ class Engine:
         registry_file = package_dir.joinpath(*ASCEND_REGISTRY_FILE)
         for name, module, class_name in _registrations(registry_file.read_text()):
             module_file = package_dir.parent.joinpath(*module.split(".")).with_suffix(".py")
-            factory._registry[name] = _SourceOnlyConnector.loader(name, module, class_name,
-                                                                   module_file)
+            factory._registry[name] = _source_only_loader(name, module, class_name, module_file)
 
     def _ascend_env_names(self) -> set[str]:
         if self.platform != "ascend":
             return set()
         spec = importlib.util.find_spec("vllm_ascend")
         envs_file = Path(next(iter(spec.submodule_search_locations))) / "envs.py"
-        tree = ast.parse(envs_file.read_text())
-        return {node.value for node in ast.walk(tree)
-                if isinstance(node, ast.Constant) and isinstance(node.value, str)
-                and node.value.startswith("VLLM_")}
+        return {name for name in _string_constants(envs_file.read_text())
+                if name.startswith("VLLM_")}
 
     # -- one launch ------------------------------------------------------------
     def check(self, launch: dict[str, Any]) -> dict[str, Any]:
@@ -239,6 +236,7 @@ class Engine:
                 cls = factory.get_connector_class(config)
             except _SourceOnly as only:
                 unchecked.append({"what": f"{flag} class {name}", "reason": str(only)})
+                self._extra_keys(config, kind, name, [only.module_file], rejects)
                 continue
             except Exception as err:
                 where = getattr(config, f"{kind}_connector_module_path", None) or "registry"
@@ -252,6 +250,24 @@ class Engine:
                 missing = ", ".join(sorted(cls.__abstractmethods__))
                 rejects.append({"flag": flag, "message": f"{name} does not implement this "
                                 f"release's abstract methods: {missing}"})
+            elif not cls.__module__.startswith("epd_serve."):  # ours validate their settings
+                self._extra_keys(config, kind, name, _source_files(cls), rejects)
+
+    @staticmethod
+    def _extra_keys(config, kind: str, name: str, sources: list[Path], rejects) -> None:
+        """An extra-config key that the files defining the connector never name is
+        silently ignored by the engine (its config classes take any extra keys): report
+        it."""
+        extra = getattr(config, f"{kind}_connector_extra_config", None) or {}
+        if not extra:
+            return
+        named: set[str] = set()
+        for source in sources:
+            named |= _string_constants(source.read_text())
+        for key in sorted(set(extra) - named):
+            rejects.append({"flag": f"--{kind}-transfer-config",
+                            "message": f"{kind}_connector_extra_config key {key!r}: {name}'s "
+                                       "code never reads it (it would be ignored)"})
 
     def _engine_config(self, engine_args, launch, rejects, unchecked) -> None:
         from vllm.platforms import current_platform
@@ -282,20 +298,38 @@ class Engine:
 class _SourceOnly(Exception):
     """A connector known from vllm-ascend's source whose class needs CANN to import."""
 
+    def __init__(self, message: str, module_file: Path):
+        super().__init__(message)
+        self.module_file = module_file
 
-class _SourceOnlyConnector:
-    @staticmethod
-    def loader(name: str, module: str, class_name: str, module_file: Path):
-        def load():
-            if not module_file.exists():
-                raise ValueError(f"vllm-ascend registers {name} from {module}, "
-                                 f"which it does not ship ({module_file})")
-            class_defined = re.search(rf"^class {class_name}\b", module_file.read_text(), re.M)
-            if not class_defined:
-                raise ValueError(f"{module} does not define {class_name}")
-            raise _SourceOnly(f"registered by vllm-ascend ({module}.{class_name}, present in "
-                              "its source); importing the class needs CANN")
-        return load
+
+def _source_files(cls: type) -> list[Path]:
+    """The engine's files defining a connector class and its bases."""
+    files = []
+    for klass in cls.__mro__:
+        source = getattr(sys.modules.get(klass.__module__), "__file__", None)
+        if source and klass.__module__.split(".")[0] in ("vllm", "vllm_ascend"):
+            files.append(Path(source))
+    return list(dict.fromkeys(files))
+
+
+def _string_constants(source: str) -> set[str]:
+    return {node.value for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str)}
+
+
+def _source_only_loader(name: str, module: str, class_name: str, module_file: Path):
+    """A registry loader for a vllm-ascend connector whose class needs CANN to import:
+    it checks the module ships and defines the class, then says it stopped there."""
+    def load():
+        if not module_file.exists():
+            raise ValueError(f"vllm-ascend registers {name} from {module}, "
+                             f"which it does not ship ({module_file})")
+        if not re.search(rf"^class {class_name}\b", module_file.read_text(), re.M):
+            raise ValueError(f"{module} does not define {class_name}")
+        raise _SourceOnly(f"registered by vllm-ascend ({module}.{class_name}, present in "
+                          "its source); importing the class needs CANN", module_file)
+    return load
 
 
 def _registrations(source: str) -> list[tuple[str, str, str]]:

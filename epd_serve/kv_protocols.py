@@ -95,13 +95,12 @@ class AscendLayerwise(KVProtocol):
     name = "ascend-layerwise"
 
     def transfer_config(self, launch, connector, user_config, tensor_parallel):
-        cfg = super().transfer_config(launch, connector, {}, tensor_parallel)
+        # The layer-wise connector learns the peer's parallel sizes from the request's
+        # kv_transfer_params; of the extra config it reads only tls_config in the pinned
+        # vllm-ascend 0.23.0 (the `prefill`/`decode` blocks are its MooncakeConnectorV1's).
+        cfg = super().transfer_config(launch, connector, user_config, tensor_parallel)
         cfg["kv_buffer_device"] = "npu"
         cfg["kv_port"] = str(launch.kv_port)
-        # vllm-ascend checks that the block describing an engine's own role matches its
-        # parallel sizes; both sides run the same tensor-parallel size here.
-        sizes = {"dp_size": 1, "tp_size": tensor_parallel}
-        cfg["kv_connector_extra_config"] = {**user_config, "prefill": sizes, "decode": sizes}
         return cfg
 
 

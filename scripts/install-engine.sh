@@ -28,15 +28,12 @@ cuda)
     "${pip[@]}" -e '.[cuda]'
     ;;
 ascend)
-    # vLLM from its source release with no device target: Python only, without the
-    # CUDA torch its wheel pins (vllm-ascend's own image installs it the same way).
-    src=$(mktemp -d)
-    trap 'rm -rf "$src"' EXIT
-    VLLM_TARGET_DEVICE=empty "$venv/bin/pip" download -q --no-deps --no-binary :all: \
-        "vllm==$ASCEND_VLLM" -d "$src"
-    VLLM_TARGET_DEVICE=empty "${pip[@]}" "$src"/vllm-*.tar.gz "torch==2.10.0"
+    # vllm-ascend's documented two steps: vLLM first (its wheel pins CUDA's torch
+    # 2.11.0), then the [ascend] row, which replaces torch with 2.10.0 + torch-npu.
+    "${pip[@]}" "vllm==$ASCEND_VLLM"
     if $engine_only; then
-        "${pip[@]}" --no-deps "vllm-ascend==0.23.0"
+        "${pip[@]}" torch==2.10.0 torchvision==0.25.0 torchaudio==2.10.0
+        "${pip[@]}" --no-deps vllm-ascend==0.23.0
         "${pip[@]}" -e .
     else
         # On x86_64 hosts torch-npu wants PyTorch's CPU build of torch 2.10.0.

@@ -94,7 +94,9 @@ def _fake_vllm_ascend(root: Path) -> None:
                 "GoneConnector", "vllm_ascend.distributed.kv_transfer.kv_p2p.gone", "Gone")
     """))
     (pkg / "distributed/kv_transfer/kv_p2p/mooncake_layerwise_connector.py").write_text(
-        "class MooncakeLayerwiseConnector:\n    pass\n")
+        "class MooncakeLayerwiseConnector:\n"
+        "    def __init__(self, vllm_config):\n"
+        "        self.tls = vllm_config.kv_transfer_config.get_from_extra_config('tls_config', {})\n")
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +112,9 @@ def ascend_probe(tmp_path_factory) -> dict:
     entries = [
         {"instance": "layerwise", "argv": kv("MooncakeLayerwiseConnector"),
          "env": {"VLLM_ASCEND_ENABLE_NZ": "1"}},
+        {"instance": "layerwise-ignored-key", "env": {},
+         "argv": kv("MooncakeLayerwiseConnector",
+                    kv_connector_extra_config={"tls_config": {}, "prefill": {"tp_size": 1}})},
         {"instance": "gone", "argv": kv("GoneConnector"), "env": {}},
         {"instance": "missing", "argv": kv("NoSuchConnector"), "env": {}},
         {"instance": "no-such-attention", "env": {},
@@ -132,6 +137,8 @@ def test_vllm_ascend_without_cann_is_checked_from_its_source(ascend_probe):
     launches = ascend_probe["by_instance"]
     assert launches["layerwise"]["rejects"] == []
     assert "importing the class needs CANN" in launches["layerwise"]["unchecked"][0]["reason"]
+    (ignored,) = launches["layerwise-ignored-key"]["rejects"]  # tls_config is read
+    assert "key 'prefill'" in ignored["message"] and "never reads it" in ignored["message"]
     assert "does not ship" in launches["gone"]["rejects"][0]["message"]
     assert "Unsupported connector type" in launches["missing"]["rejects"][0]["message"]
 
