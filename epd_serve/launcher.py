@@ -207,7 +207,9 @@ class Launcher:
                 command=[sys.executable, "-m", "epd_serve.proxy", "--config", str(proxy_json)],
                 env={},
                 log_path=self.log_dir / "proxy.log",
-                health_url=f"{self.dep.proxy_url}/health",
+                # Ready, not only up: every instance has answered the proxy's own probe
+                # (else the first image may find no encoder the proxy knows is healthy).
+                health_url=f"{self.dep.proxy_url}/ready",
                 tag=self._tag("proxy"),
             )
         )

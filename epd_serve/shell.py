@@ -80,7 +80,7 @@ def emit_shell(dep: ResolvedDeployment, platform: Platform) -> str:
         'setsid "$PYTHON" -m epd_serve.proxy --config "$WORK/proxy.json" '
         '>"$WORK/logs/proxy.log" 2>&1 &',
         "PIDS+=($!)",
-        f"wait_healthy proxy {q(dep.proxy_url)}",
+        f"wait_serving proxy {q(dep.proxy_url + '/ready')}  # every instance answered its probe",
         f'echo "deployment {dep.config.name} is up: {dep.proxy_url}/v1/chat/completions"',
         "wait -n  # any process exiting ends the deployment (the trap stops the rest)",
         "",

@@ -44,8 +44,9 @@ STAGES_HEADER = "x-epd-stages"
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,96}$")
 PROXY = web.AppKey("proxy", object)  # the running Proxy, for tests that look inside
 GENERATE_ROUTES = ("/v1/chat/completions", "/v1/completions")
-# Engines answer /health and /metrics; instances call back /v1/metaserver.
-OPEN_PATHS = {"/health", "/metrics", "/v1/metaserver"}
+# Engines answer /health and /metrics; instances call back /v1/metaserver; launchers
+# wait on /ready.
+OPEN_PATHS = {"/health", "/ready", "/metrics", "/v1/metaserver"}
 
 
 class Proxy:
@@ -234,6 +235,15 @@ def create_app(config: ProxyConfig) -> web.Application:
                                       "stages_without_healthy_instance": ["E"]})
         return web.json_response({"status": "ok"})
 
+    async def ready(request: web.Request) -> web.Response:
+        """Every instance of the roster has answered a probe: a deployment that was just
+        started serves every stage (its engines answering /health is not enough: the
+        proxy probes on its own schedule)."""
+        waiting = [i.name for i in proxy.table.instances if not i.healthy and not i.draining]
+        if waiting:
+            return web.json_response({"status": "starting", "waiting_for": waiting}, status=503)
+        return web.json_response({"status": "ready"})
+
     async def status(request: web.Request) -> web.Response:
         return web.json_response({
             "model": config.model,
@@ -286,6 +296,7 @@ def create_app(config: ProxyConfig) -> web.Application:
     app.router.add_post("/v1/metaserver", metaserver)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
     app.router.add_get("/status", status)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/instances", list_instances)

@@ -222,5 +222,6 @@ def test_emitted_shell_script_is_valid_bash_with_every_instance(tmp_path):
     path.write_text(script)
     subprocess.run(["bash", "-n", str(path)], check=True)
     assert script.count("ASCEND_RT_VISIBLE_DEVICES=") == len(dep.launches) == 12
-    assert script.count("wait_healthy ") == 12 + 1  # every instance, then the proxy
+    assert script.count("wait_healthy ") == 12  # every instance
+    assert "wait_serving proxy http://127.0.0.1:8000/ready" in script  # then the proxy, ready
     assert "MooncakeLayerwiseConnector" in script and "trap cleanup EXIT INT TERM" in script

@@ -391,6 +391,15 @@ def test_with_every_encoder_down_images_get_503_and_text_flows():
         assert "no healthy encoder" in resp.json()["error"]["message"]
         assert chat(d, "just text").status_code == 200
         assert d.client.get("/health").json()["status"] == "degraded"
+        # Not ready: a launcher waits until every instance has answered a probe.
+        ready = d.client.get("/ready")
+        assert ready.status_code == 503 and ready.json()["waiting_for"] == ["e0"]
+
+
+def test_ready_once_every_instance_answered_a_probe():
+    with deployment(["E", "P", "D"]) as d:
+        wait_for(lambda: d.client.get("/ready").status_code == 200, "proxy ready")
+        assert d.client.get("/ready").json() == {"status": "ready"}
 
 
 # -- fail-over and errors ----------------------------------------------------------------
