@@ -68,14 +68,12 @@ def engine_launches(config_path: Path, build_models: bool = True) -> list[dict[s
     entries = []
     for launch in dep.launches:
         command = platform.command(launch)
-        if command[:len(program)] != program:
-            raise AssertionError(f"{launch.name}: command does not start with {program}")
-        rest = command[len(program):]
-        if program[-1] == "--model":  # `python -m ...api_server --model MODEL`
-            rest = rest[1:]
+        # `vllm serve MODEL ...` or `python -m ...api_server --model MODEL ...`
+        if command[:len(program) + 1] != [*program, launch.model]:
+            raise AssertionError(f"{launch.name}: command does not start with {program} MODEL")
         entries.append({"config": str(config_path), "instance": launch.name,
                         "platform": platform.name, "device_type": platform.device_type,
-                        "argv": ["--model", launch.model, *rest],
+                        "argv": ["--model", launch.model, *command[len(program) + 1:]],
                         "env": platform.environment(launch)})
     return entries
 

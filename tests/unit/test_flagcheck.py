@@ -172,6 +172,7 @@ def test_probe_entries_are_the_engine_arguments_after_the_program(config):
     for entry, launch in zip(entries, dep.launches):
         command = platform.command(launch)
         assert entry["argv"][:2] == ["--model", launch.model]
+        assert launch.model not in entry["argv"][2:]  # the model once, as --model
         assert command[-len(entry["argv"][2:]):] == entry["argv"][2:]
         assert entry["env"] == platform.environment(launch)
 
