@@ -77,8 +77,10 @@ class Engine:
 
         self.version = getattr(vllm, "__version__", "unknown")
         self._stand_in_platform()
-        if platform == "ascend":
-            self._register_ascend()
+        # vllm-ascend's source folder: its registrations, version and variables are read there.
+        self.ascend_dir = _ascend_package_dir() if platform == "ascend" else None
+        if self.ascend_dir is not None:
+            self._register_ascend(self.ascend_dir)
         parser_cls = _first_attr(ARGPARSE_MODULES, "FlexibleArgumentParser")
         self.make_arg_parser = _first_attr(SERVE_ARG_MODULES, "make_arg_parser")
         try:
@@ -110,13 +112,9 @@ class Engine:
                                      "stood in, so device-dependent defaults were not checked"})
 
     # -- vllm-ascend ---------------------------------------------------------
-    def _register_ascend(self) -> None:
+    def _register_ascend(self, package_dir: Path) -> None:
         """Register vllm-ascend's connectors as its plugin does; without CANN, read the
         registrations from its source and check their modules exist."""
-        spec = importlib.util.find_spec("vllm_ascend")
-        if spec is None or not spec.submodule_search_locations:
-            raise RuntimeError("vllm-ascend is not installed in this environment")
-        package_dir = Path(next(iter(spec.submodule_search_locations)))
         version_file = package_dir / "_version.py"
         if version_file.exists():
             match = re.search(r"__version__ = version = '([^']+)'", version_file.read_text())
@@ -138,11 +136,9 @@ class Engine:
             factory._registry[name] = _source_only_loader(name, module, class_name, module_file)
 
     def _ascend_env_names(self) -> set[str]:
-        if self.platform != "ascend":
+        if self.ascend_dir is None:
             return set()
-        spec = importlib.util.find_spec("vllm_ascend")
-        envs_file = Path(next(iter(spec.submodule_search_locations))) / "envs.py"
-        return {name for name in _string_constants(envs_file.read_text())
+        return {name for name in _string_constants((self.ascend_dir / "envs.py").read_text())
                 if name.startswith("VLLM_")}
 
     # -- one launch ------------------------------------------------------------
@@ -316,6 +312,14 @@ def _source_files(cls: type) -> list[Path]:
 def _string_constants(source: str) -> set[str]:
     return {node.value for node in ast.walk(ast.parse(source))
             if isinstance(node, ast.Constant) and isinstance(node.value, str)}
+
+
+def _ascend_package_dir() -> Path:
+    """Found without importing it (its import needs CANN)."""
+    spec = importlib.util.find_spec("vllm_ascend")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("vllm-ascend is not installed in this environment")
+    return Path(next(iter(spec.submodule_search_locations)))
 
 
 def _source_only_loader(name: str, module: str, class_name: str, module_file: Path):

@@ -5,9 +5,6 @@ configuration (no engine is started). A flag the engine would refuse fails here.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -65,17 +62,6 @@ def test_a_made_up_flag_and_a_bad_value_are_reported_per_instance(cpu_check):
     assert f"REJECTED {made_up} e0 --made-up-flag" in flagcheck.render([report])
 
 
-def _probe(entries, extra_path: Path | None = None) -> dict:
-    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
-    if extra_path is not None:
-        env["PYTHONPATH"] = str(extra_path)
-    proc = subprocess.run([sys.executable, "-m", "epd_serve.engine_probe"],
-                          input=json.dumps(entries), capture_output=True, text=True,
-                          env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return json.loads(proc.stdout)
-
-
 def _fake_vllm_ascend(root: Path) -> None:
     """A vllm-ascend that cannot import (no CANN), laid out like the real one."""
     pkg = root / "vllm_ascend"
@@ -123,7 +109,10 @@ def ascend_probe(tmp_path_factory) -> dict:
         {"instance": "wrong-module", "env": {"VLLM_NOT_A_SETTING": "1"},
          "argv": kv("EPDKVConnector", kv_connector_module_path="epd_serve.connectors.ec_example")},
     ]
-    report = _probe([{"config": "a", "platform": "ascend", "device_type": "npu", **e} for e in entries], extra_path=root)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("PYTHONPATH", str(root))  # the probe's Python finds the fake first
+        report = flagcheck.run_probe([{"config": "a", "platform": "ascend", "device_type": "npu", **e}
+                                      for e in entries])
     report["by_instance"] = {launch["instance"]: launch for launch in report["launches"]}
     return report
 
