@@ -27,6 +27,8 @@ def _fail(message: str) -> int:
 
 
 def cmd_topology(args) -> int:
+    if args.notation.endswith((".yaml", ".yml")) or Path(args.notation).is_file():
+        return _deployment_topology(args)
     plan = topology.parse(args.notation)
     if args.json:
         print(json.dumps(plan.to_dict(), indent=2))
@@ -37,6 +39,26 @@ def cmd_topology(args) -> int:
         devices = ",".join(map(str, group[0].devices))
         shared = " (co-located, separate processes)" if len(group) > 1 else ""
         print(f"  device {devices}: {names}{shared}")
+    return 0
+
+
+def _deployment_topology(args) -> int:
+    """A deployment file's instances: on which node, devices and address each runs."""
+    from epd_serve import deploy
+
+    dep = deploy.load(args.notation)
+    rows = [{"name": l.name, "roles": l.instance.roles, "node": l.node, "address": l.host,
+             "devices": list(l.devices), "url": l.url} for l in dep.launches]
+    if args.json:
+        print(json.dumps({"notation": dep.plan.to_notation(), "proxy": dep.proxy_url,
+                          "instances": rows}, indent=2))
+        return 0
+    nodes = dep.config.cluster.nodes if dep.config.cluster else []
+    where = f"across {len(nodes)} node(s)" if nodes else "on one host"
+    print(f"{dep.config.name}: {dep.plan.to_notation()} {where}; proxy {dep.proxy_url}")
+    for row in rows:
+        print(f"  {row['name']:<6} [{row['roles']}]  node {row['node']} ({row['address']}), "
+              f"device(s) {','.join(map(str, row['devices']))}")
     return 0
 
 
@@ -91,7 +113,7 @@ def cmd_launch(args) -> int:
     dep = deploy.load(args.config)
     platform = get_platform(dep.config.platform)
     if args.emit_shell:
-        script = emit_shell(dep, platform)
+        script = emit_shell(dep, platform, str(Path(args.config).resolve()))
         if args.output:
             Path(args.output).write_text(script)
             Path(args.output).chmod(0o755)
@@ -239,7 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("topology", help="parse deployment notation and print the plan")
-    p.add_argument("notation", help="e.g. E-P-D, (E-P)-D, 2E1P1D, (E-PD)x2, TP2")
+    p.add_argument("notation", help="e.g. E-P-D, (E-P)-D, 2E1P1D, (E-PD)x2, TP2; or a "
+                   "deployment file, to show the node and devices of each instance")
     p.add_argument("--json", action="store_true", help="machine-readable plan")
     p.set_defaults(func=cmd_topology)
 

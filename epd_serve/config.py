@@ -11,7 +11,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ByteSize,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from epd_serve import topology
 from epd_serve.hal import (
@@ -24,6 +32,7 @@ from epd_serve.hal import (
 )
 from epd_serve.kv_protocols import get_protocol
 from epd_serve.mmstore.spec import StoreSpec
+from epd_serve.placement import ClusterSpec, PlacementError, Slot, place
 from epd_serve.proxy.config import ProxySettings
 
 ArgValue = str | int | float | bool | None
@@ -46,6 +55,8 @@ class MMStoreConfig(BaseModel):
     capacity: ByteSize = Field(ByteSize(2 << 30), description="Bytes of features kept; "
                                "least recently used ones are evicted beyond it, e.g. 2GiB.")
     port: int = Field(8990, description="Store server (shm) or Mooncake master RPC port.")
+    protocol: Literal["tcp", "rdma"] = Field(
+        "tcp", description="mooncake: the transfer engine's transport between nodes.")
     metrics_port: int = Field(8991, description="HTTP /metrics of the store (mooncake: the "
                               "holder of the pool's memory also takes the next port).")
     prefetch_base_port: int = Field(
@@ -54,7 +65,7 @@ class MMStoreConfig(BaseModel):
 
 
 class Deployment(BaseModel):
-    """One deployment of one model on one node."""
+    """One deployment of one model: on one host, or across the nodes of `cluster`."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -69,7 +80,8 @@ class Deployment(BaseModel):
         "random-weight model of this family there before starting (CPU testing).",
     )
     served_model_name: str | None = Field(None, description="Name clients use; default: the folder name.")
-    host: str = Field("127.0.0.1", description="Address every server binds to.")
+    host: str = Field("127.0.0.1", description="Address every server binds to (one host; "
+                      "with a cluster, each node's address).")
     proxy_port: int = Field(8000, description="Port of the OpenAI-compatible proxy.")
     base_port: int = Field(8100, description="Instance i serves HTTP on base_port + i.")
     kv_base_port: int = Field(
@@ -90,8 +102,12 @@ class Deployment(BaseModel):
     proxy: ProxySettings = Field(default_factory=ProxySettings, description="The proxy: "
                                  "routing policy per stage, request limits, keys.")
     devices: list[int] | None = Field(
-        None, description="Physical device ids, in plan order; default 0..N-1."
+        None, description="Physical device ids, in plan order; default 0..N-1 (one host; "
+        "with a cluster, each node lists its own)."
     )
+    cluster: ClusterSpec | None = Field(
+        None, description="Run across the nodes of a Ray cluster: which nodes, their "
+        "addresses and devices (epd_serve/placement.py); none: one host, no Ray.")
     max_model_len: int = Field(4096, description="Context length of every instance.")
     work_dir: str | None = Field(None, description="Logs, EC storage, state; default .epd/<name>.")
     engine_args: dict[str, ArgValue] = Field(
@@ -120,6 +136,15 @@ class Deployment(BaseModel):
         if value is not None and len(set(value)) != len(value):
             raise ValueError("device ids must be unique")
         return value
+
+    @model_validator(mode="after")
+    def _one_source_of_hosts_and_devices(self) -> Deployment:
+        if self.cluster is not None:
+            for key in ("devices", "host"):
+                if getattr(self, key) != Deployment.model_fields[key].default:
+                    raise ValueError(f"'{key}' is for one host; with a cluster, each node "
+                                     "in cluster.nodes gives its own address and devices")
+        return self
 
     @property
     def plan(self) -> topology.Plan:
@@ -185,12 +210,7 @@ def resolve(config: Deployment, root: Path) -> ResolvedDeployment:
     plan = config.plan
     model = _absolute(config.model, root)
     work_dir = _absolute(config.work_dir or f".epd/{config.name}", root)
-    device_map = config.devices or list(range(plan.num_devices))
-    if len(device_map) < plan.num_devices:
-        raise ConfigError(
-            f"{config.name}: the plan {plan.to_notation()!r} needs {plan.num_devices} devices "
-            f"but 'devices' lists {len(device_map)}"
-        )
+    slots = slots_of(config)
     shares = memory_shares(plan)
     protocol = kv_protocol_of(config)
     store = store_spec_of(config)
@@ -217,9 +237,10 @@ def resolve(config: Deployment, root: Path) -> ResolvedDeployment:
                 instance=inst,
                 model=str(model),
                 served_model_name=config.served_model_name or model.name,
-                host=config.host,
+                host=slots[inst.name].address,
                 port=config.base_port + index,
-                devices=tuple(device_map[d] for d in inst.devices),
+                devices=slots[inst.name].devices,
+                node=slots[inst.name].node,
                 memory_share=shares[inst.name],
                 max_model_len=config.max_model_len,
                 ec_role=ec_role,
@@ -234,8 +255,43 @@ def resolve(config: Deployment, root: Path) -> ResolvedDeployment:
                 extra_env=tuple(sorted(config.env.items())),
             )
         )
+    if store is not None and store.backend == "shm" and config.cluster is not None:
+        _check_store_on_head(config.cluster, config.name, launches)
     return ResolvedDeployment(config=config, plan=plan, model_dir=model, work_dir=work_dir,
-                              launches=launches)
+                              launches=launches, proxy_host=proxy_host_of(config))
+
+
+def slots_of(config: Deployment) -> dict[str, Slot]:
+    """Where each instance runs: the cluster's placement, or this host's devices."""
+    plan = config.plan
+    if config.cluster is not None:
+        try:
+            return place(plan, config.cluster)
+        except PlacementError as err:
+            raise ConfigError(f"{config.name}: {err}") from None
+    device_map = config.devices or list(range(plan.num_devices))
+    if len(device_map) < plan.num_devices:
+        raise ConfigError(
+            f"{config.name}: the plan {plan.to_notation()!r} needs {plan.num_devices} devices "
+            f"but 'devices' lists {len(device_map)}"
+        )
+    return {inst.name: Slot("local", config.host, tuple(device_map[d] for d in inst.devices))
+            for inst in plan.instances}
+
+
+def proxy_host_of(config: Deployment) -> str:
+    """The proxy and the MM Store's servers run on the cluster's head, or on this host."""
+    return config.cluster.head_node.address if config.cluster is not None else config.host
+
+
+def _check_store_on_head(cluster: ClusterSpec, name: str, launches: list[InstanceLaunch]) -> None:
+    """The shm store is one host's shared memory: every user must be on the head."""
+    head = cluster.head_node.name
+    away = [f"{l.name} on {l.node}" for l in launches if l.mm_store is not None and l.node != head]
+    if away:
+        raise ConfigError(f"{name}: mm_store backend 'shm' is shared memory on the "
+                          f"head node {head}, but {', '.join(away)} also use it: set "
+                          "mm_store: {backend: mooncake} to share features across nodes")
 
 
 def kv_protocol_of(config: Deployment) -> str:
@@ -262,9 +318,9 @@ def store_spec_of(config: Deployment) -> StoreSpec | None:
             return None  # this platform's default is vLLM's file connector
         raise ConfigError(f"{config.name}: mm_store backend {store.backend!r} does not run on "
                           f"{config.platform}: {why}. Set mm_store: {{backend: file}}.")
-    return StoreSpec(backend=store.backend, host=config.host, port=store.port,
+    return StoreSpec(backend=store.backend, host=proxy_host_of(config), port=store.port,
                      metrics_port=store.metrics_port, capacity_bytes=int(store.capacity),
-                     name=config.name)
+                     name=config.name, protocol=store.protocol)
 
 
 def _absolute(value: str, root: Path) -> Path:
@@ -281,30 +337,30 @@ class ResolvedDeployment:
     model_dir: Path
     work_dir: Path
     launches: list[InstanceLaunch]
+    proxy_host: str = "127.0.0.1"  # where the proxy (and the MM Store's servers) run
 
     @property
     def proxy_url(self) -> str:
-        return f"http://{self.config.host}:{self.config.proxy_port}"
+        return f"http://{self.proxy_host}:{self.config.proxy_port}"
 
     @property
     def mm_store(self) -> StoreSpec | None:
         return store_spec_of(self.config)
 
+    def store_ports(self) -> dict[int, str]:
+        """The MM Store servers' ports -> what for (none without a store)."""
+        if (store := self.mm_store) is None:
+            return {}
+        ports = {store.port: f"MM Store ({store.backend})", store.metrics_port: "MM Store metrics"}
+        if store.backend == "mooncake":
+            ports[store.holder_port] = "MM Store memory holder (mooncake)"
+        return ports
+
     def ports(self) -> dict[int, str]:
         """Every port the deployment listens on -> who uses it."""
-        ports = {self.config.proxy_port: "proxy"}
-        if (store := self.mm_store) is not None:
-            ports[store.port] = f"MM Store ({store.backend})"
-            ports[store.metrics_port] = "MM Store metrics"
-            if store.backend == "mooncake":
-                ports[store.holder_port] = "MM Store memory holder (mooncake)"
+        ports = {self.config.proxy_port: "proxy", **self.store_ports()}
         for launch in self.launches:
-            ports[launch.port] = f"instance {launch.name}"
-            if launch.prefetch_port is not None:
-                ports[launch.prefetch_port] = f"prefetch hints of {launch.name}"
-            if launch.kv_port is not None:
-                for rank in range(launch.instance.tensor_parallel):
-                    ports[launch.kv_port + rank] = f"KV port of {launch.name}"
+            ports.update(launch.ports())
         return ports
 
 

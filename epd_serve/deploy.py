@@ -16,7 +16,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from epd_serve import config
-from epd_serve.launcher import Launcher
+from epd_serve.launcher import Launcher, LaunchError
 
 
 def load(path: str | Path, **overrides: Any) -> config.ResolvedDeployment:
@@ -39,12 +39,24 @@ def ensure_model(dep: config.ResolvedDeployment) -> None:
         build_tiny_model(dep.config.tiny_model, dep.model_dir)
 
 
+def launcher_for(dep: config.ResolvedDeployment) -> Launcher:
+    """The launcher of one host, or the Ray launcher for a deployment with a cluster."""
+    if dep.config.cluster is None:
+        return Launcher(dep)
+    try:
+        from epd_serve.ray_launcher import RayLauncher
+    except ImportError as err:
+        raise LaunchError(f"{dep.config.name} spans a cluster, which runs on Ray ({err}); "
+                          "install it with `pip install 'epd-serve[cluster]'`") from None
+    return RayLauncher(dep)
+
+
 def bring_up(dep: config.ResolvedDeployment, warmup: bool = True) -> Launcher:
     """Start a deployment with live progress; returns the running Launcher."""
     from epd_serve.progress import StartupProgress, warm_up
 
     ensure_model(dep)
-    launcher = Launcher(dep)
+    launcher = launcher_for(dep)
     try:
         launcher.start()
         with StartupProgress(dep) as progress:

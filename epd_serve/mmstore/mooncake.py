@@ -91,11 +91,14 @@ def _byte_view(data: memoryview | bytes | np.ndarray) -> np.ndarray:
 class MooncakeStore(FeatureStore):
     """A Mooncake Store client. Feature bytes under `key`, meta under `key/meta`, so a
     lookup reads only the small value (0.2-0.4 ms). `segment_bytes` > 0 lends that much
-    of this process's memory to the pool; what lands there vanishes when it exits."""
+    of this process's memory to the pool; what lands there vanishes when it exits.
+    `local_host` is this client's own address, where other nodes reach its transfer
+    engine (default: the master's host, i.e. one machine)."""
 
     name = "mooncake"
 
-    def __init__(self, spec: StoreSpec, *, segment_bytes: int = 0) -> None:
+    def __init__(self, spec: StoreSpec, *, segment_bytes: int = 0,
+                 local_host: str | None = None) -> None:
         from mooncake.store import MooncakeDistributedStore
 
         try:
@@ -105,8 +108,8 @@ class MooncakeStore(FeatureStore):
                 f"Mooncake master at {spec.address} is not reachable: {exc}") from exc
         self._store = MooncakeDistributedStore()
         # segment_bytes=0 is accepted: a pure client that only reads and writes the pool.
-        code = self._store.setup(spec.host, "P2PHANDSHAKE", segment_bytes, META_BUFFER_BYTES,
-                                 spec.protocol, "", spec.address)
+        code = self._store.setup(local_host or spec.host, "P2PHANDSHAKE", segment_bytes,
+                                 META_BUFFER_BYTES, spec.protocol, "", spec.address)
         if code != 0:
             raise StoreError(f"Mooncake client setup against {spec.address} failed ({code})")
         self._lock = threading.Lock()

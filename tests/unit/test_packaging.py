@@ -78,6 +78,7 @@ IMPORT_EVERYTHING = """
 import importlib, importlib.util, json, os, sys
 
 site_dir, modules, hardware, engine = json.loads(sys.argv[1])
+start_path = list(sys.path)  # before imports: Ray puts its vendored folder first
 
 # None in sys.modules: `import` raises ModuleNotFoundError and find_spec says "not
 # installed", exactly as on a machine without the package.
@@ -102,7 +103,7 @@ for module in modules:
         else:
             results[module] = {}
 import epd_serve
-print(json.dumps({"epd_serve": os.path.realpath(epd_serve.__file__), "path": sys.path,
+print(json.dumps({"epd_serve": os.path.realpath(epd_serve.__file__), "path": start_path,
                   "results": results}))
 """
 

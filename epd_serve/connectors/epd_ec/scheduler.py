@@ -44,9 +44,9 @@ class EPDECScheduler:
         self.producer = producer
         self.consumer = consumer
         self.resolver = PlaceholderMetadataResolver(vllm_config.model_config)
-        self.store: FeatureStore = open_store(settings.store)
+        self.store: FeatureStore = open_store(settings.store, local_host=settings.host)
         self.recorder = Recorder()
-        self._pins: dict[str, list[str]] = {}  # request id -> keys it pinned
+        self._pins: dict[str, dict[str, bool]] = {}  # request id -> key -> pinned here
         self._pinned: Counter[str] = Counter()  # key -> requests holding a pin
         self._unavailable: set[str] = set()  # failed, until vLLM finishes them
         self._to_fail: set[str] = set()  # failed, not yet handed to vLLM
@@ -55,41 +55,47 @@ class EPDECScheduler:
 
     # -- before scheduling ---------------------------------------------------------
     def ensure_cache_available(self, request, num_computed_tokens: int) -> bool:
+        """Called on every scheduling pass. Features are looked at again when more of
+        the prompt must be computed than before: a decode instance that expected the
+        prompt's KV first needs none, then all of them once that KV failed to arrive."""
         req_id = request.request_id
         if req_id in self._unavailable:
             return False
-        if req_id in self._pins:
-            return True
-        if self.producer:
+        if self.producer and req_id not in self._pins:
             items = collect_ec_item_metadata(request.mm_features, self.resolver)
             self._publish.update({key: item["metadata"] for key, item in items.items()})
+        decided = self._pins.setdefault(req_id, {})  # key -> pinned (True) or encoded here
         if not self.consumer:
-            self._pins[req_id] = []
             return True
-        pinned: list[str] = []
         for feature in request.mm_features:
             position = feature.mm_position
             if position.offset + position.length <= num_computed_tokens:
                 continue  # its tokens are computed already (prefix cache, received KV)
             key = feature.identifier
+            if key in decided:
+                continue
             if self._pin(key):
-                pinned.append(key)
+                decided[key] = True
             elif self._carries_media(feature):
                 log.info("epd-ec %s not in the MM Store: encoding it here (request %s)",
                          key, req_id)
                 self.recorder.count("encoded_locally")
+                decided[key] = False
             else:
                 log.warning("epd-ec %s not in the MM Store and request %s carries no "
                             "image: failing it for the proxy to resend with the image",
                             key, req_id)
                 self.recorder.count("unavailable")
-                for held in pinned:
-                    self._unpin(held)
+                self._release(req_id)
                 self._unavailable.add(req_id)
                 self._to_fail.add(req_id)
                 return False
-        self._pins[req_id] = pinned
         return True
+
+    def _release(self, req_id: str) -> None:
+        for key, pinned in self._pins.pop(req_id, {}).items():
+            if pinned:
+                self._unpin(key)
 
     def _pin(self, key: str) -> bool:
         if self._pinned[key] == 0:
@@ -145,8 +151,7 @@ class EPDECScheduler:
     def request_finished(self, request) -> tuple[bool, dict | None]:
         req_id = request.request_id
         self._unavailable.discard(req_id)
-        for key in self._pins.pop(req_id, []):
-            self._unpin(key)
+        self._release(req_id)
         if not self.producer:
             return False, None
         return False, collect_ec_item_metadata(request.mm_features, self.resolver) or None

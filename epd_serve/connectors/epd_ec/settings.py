@@ -12,9 +12,11 @@ from epd_serve.mmstore.spec import StoreSpec
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     store: StoreSpec
+    # This instance's address: its Mooncake client registers under it, and a consumer's
+    # prefetch listener binds to it.
+    host: str = "127.0.0.1"
     # Consumers: where the prefetch listener takes hints (the proxy sends the hashes of
     # a request's features there as soon as the encoder is done); None: no listener.
-    prefetch_host: str = "127.0.0.1"
     prefetch_port: int | None = None
     # Prefetched features not yet claimed by a request are kept up to this many bytes.
     prefetch_budget_bytes: int = 1 << 30

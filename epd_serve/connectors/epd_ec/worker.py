@@ -47,14 +47,15 @@ class EPDECWorker:
         self.hidden_size = model.get_inputs_embeds_size()
         self.dtype = model.dtype
         self.store: FeatureStore = open_store(
-            settings.store, segment_bytes=settings.segment_bytes if producer else 0)
+            settings.store, segment_bytes=settings.segment_bytes if producer else 0,
+            local_host=settings.host)
         self.recorder = Recorder()
         # Tensor-parallel ranks all hold the whole feature. One of them stores it and
         # listens for hints (one port per instance); the others read it when needed.
         self.first_rank = _tp_rank() == 0
         self.prefetcher = None
         if consumer and settings.prefetch_port is not None and self.first_rank:
-            self.prefetcher = Prefetcher(self.store, settings.prefetch_host,
+            self.prefetcher = Prefetcher(self.store, settings.host,
                                          settings.prefetch_port, settings.prefetch_budget_bytes)
         self._placeholders: dict[str, dict] = {}
         self._staging = HostStaging() if producer and self.device != "cpu" else None

@@ -117,6 +117,24 @@ def test_features_whose_tokens_are_computed_need_nothing(spec):
     assert sched.take_unavailable_requests() == set()
 
 
+def test_a_decode_whose_kv_never_came_loads_the_features_it_skipped(spec):
+    store_feature(spec, "needed-later")
+    sched = scheduler(spec)
+    req = request("r5", feature("needed-later", offset=5))
+    # Scheduled expecting the prompt's KV: the image's tokens count as computed.
+    assert sched.ensure_cache_available(req, 100) is True
+    assert not sched.has_cache_item("needed-later")
+    # The KV failed to arrive; decode computes the prompt, image included: the feature
+    # must come from the MM Store (the request carries only its reference).
+    assert sched.ensure_cache_available(req, 0) is True
+    assert sched.has_cache_item("needed-later")
+    sched.update_state_after_alloc(req, 0)
+    assert sched.build_connector_meta(None).loads == {"needed-later": 4}
+    assert sched.ensure_cache_available(req, 0) is True  # pinned once, not per pass
+    sched.request_finished(req)
+    assert not sched.has_cache_item("needed-later")
+
+
 def test_the_producer_publishes_placeholder_metadata(spec):
     sched = scheduler(spec, producer=True, consumer=False)
     req = request("r5", feature("made"))

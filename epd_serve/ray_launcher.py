@@ -1,0 +1,340 @@
+"""Brings a multi-node deployment up on Ray, keeps it up and brings it down: one actor
+per process (epd_serve/ray_host.py), placed on its node and devices by placement
+groups; the proxy and the MM Store's servers on the head node.
+
+Runs in the `epd-serve up` process (or a test fixture), which is the Ray driver. Only
+deployments with a `cluster:` section import it; Ray comes with `epd-serve[cluster]`.
+Health is probed over HTTP from here, as for one host (epd_serve/launcher.py); each
+actor restarts its own process, and Ray restarts an actor whose node died once a node
+with the same label is back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from epd_serve.config import ResolvedDeployment
+from epd_serve.hal import InstanceLaunch
+from epd_serve.launcher import STOP_GRACE_S, Launcher, LaunchError, log_tail, proxy_config
+from epd_serve.mmstore.service import store_processes
+from epd_serve.placement import NODE_LABEL, ClusterSpec, NodeSpec
+from epd_serve.ray_host import RUN_DIR_PLACEHOLDER, ProcessHost, ProcessSpec
+
+_HostActor = ray.remote(ProcessHost)
+STATUS_TIMEOUT_S = 3.0
+LOG_SYNC_INTERVAL_S = 0.5
+LOCAL_OBJECT_STORE_BYTES = 100 << 20  # nothing of ours goes through Ray's object store
+
+
+@dataclasses.dataclass
+class RayChild:
+    """One process as the driver sees it: the same surface as launcher.Child (name,
+    health, exit code, log) for the start-up progress and the health wait."""
+
+    name: str
+    node: str
+    health_url: str
+    log_path: Path
+    actor: Any = None
+    healthy: bool = False
+    restarts: int = 0
+    gave_up: bool = False
+    code: int | None = None
+    error: str | None = None
+    lost: bool = False  # its actor does not answer: the node died or restarts
+    devices: list[str] = dataclasses.field(default_factory=list)
+    node_id: str | None = None
+    log_offset: int = 0
+
+    def exit_code(self) -> int | None:
+        return (self.code if self.code is not None else -1) if self.gave_up else None
+
+    def log_tail(self, lines: int = 15) -> str:
+        if self.error:
+            return f"{self.error} (its actor did not start it)"
+        return log_tail(self.log_path, lines)
+
+
+def node_problems(cluster: ClusterSpec, ray_nodes: list[dict], resource: str) -> list[str]:
+    """What keeps the live Ray nodes (`ray.nodes()`) from hosting the file's nodes."""
+    alive = [n for n in ray_nodes if n.get("Alive")]
+    problems = []
+    for spec in cluster.nodes:
+        found = [n for n in alive if n.get("Labels", {}).get(NODE_LABEL) == spec.name]
+        if not found:
+            problems.append(f"no live Ray node is labelled {NODE_LABEL}={spec.name} (start "
+                            f"it with `ray start ... --labels {NODE_LABEL}={spec.name}`)")
+            continue
+        node = found[0]
+        if node["NodeManagerAddress"] != spec.address:
+            problems.append(f"{spec.name} is at {node['NodeManagerAddress']} in Ray but at "
+                            f"{spec.address} in the file")
+        offered = node.get("Resources", {}).get(resource, 0)
+        if offered < len(spec.devices):
+            problems.append(f"{spec.name} offers {offered:g} {resource} to Ray, the file "
+                            f"lists {len(spec.devices)} device(s)")
+    return problems
+
+
+def resource_options(resource: str, amount: float) -> dict[str, Any]:
+    """Ray actor options that take `amount` of a device resource (CPU and GPU have
+    their own option names; anything else, such as NPU, is a custom resource)."""
+    amount = round(amount, 4)  # Ray's precision for fractional resources
+    if resource == "CPU":
+        return {"num_cpus": amount}
+    if resource == "GPU":
+        return {"num_cpus": 0, "num_gpus": amount}
+    return {"num_cpus": 0, "resources": {resource: amount}}
+
+
+def local_node_args(node: NodeSpec, resource: str) -> dict[str, Any]:
+    """`ray.cluster_utils.Cluster.add_node` arguments for one node of the file on this
+    machine: its address, label and devices as Ray resources."""
+    args: dict[str, Any] = {"node_ip_address": node.address, "labels": {NODE_LABEL: node.name},
+                            "object_store_memory": LOCAL_OBJECT_STORE_BYTES,
+                            "include_dashboard": False}
+    if resource == "CPU":
+        args["num_cpus"] = len(node.devices)
+    else:
+        args["num_cpus"] = 1
+        args.update({"num_gpus": len(node.devices)} if resource == "GPU"
+                    else {"resources": {resource: len(node.devices)}})
+    return args
+
+
+class RayLauncher(Launcher):
+    """Launcher for deployments with a `cluster:` section."""
+
+    def __init__(self, dep: ResolvedDeployment, platform=None, on_event=None):
+        super().__init__(dep, platform, on_event)
+        assert dep.config.cluster is not None
+        self.cluster: ClusterSpec = dep.config.cluster
+        self.resource = self.platform.ray_resource
+        self.local_cluster = None  # ray.cluster_utils.Cluster when cluster.address is 'local'
+        self._local_nodes: dict[str, Any] = {}
+        self._placement_groups: list[PlacementGroup] = []
+        self._log_thread: threading.Thread | None = None
+        self._logs_done = threading.Event()
+
+    # -- connect ------------------------------------------------------------
+    def _connect(self) -> None:
+        address = self.cluster.address
+        if address == "local":
+            address = self._start_local_cluster()
+        elif address != "auto" and ":" not in address:
+            address = f"{address}:{self.cluster.head_port}"
+        try:
+            ray.init(address=address, namespace="epd-serve", log_to_driver=False,
+                     logging_level="WARNING")
+        except ConnectionError as err:
+            raise LaunchError(f"cannot join the Ray cluster at {address}: {err}") from None
+        if problems := node_problems(self.cluster, ray.nodes(), self.resource):
+            raise LaunchError(f"the Ray cluster does not have the nodes {self.dep.config.name} "
+                              f"places instances on: {'; '.join(problems)}")
+
+    def _start_local_cluster(self) -> str:
+        from ray.cluster_utils import Cluster
+
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        # Ray's sockets live under its temp dir, whose path must stay short.
+        if "RAY_TMPDIR" not in os.environ:
+            os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="epd-ray-")
+        self.local_cluster = Cluster()
+        head = self.cluster.head_node
+        for node in [head, *(n for n in self.cluster.nodes if n is not head)]:
+            self.add_local_node(node.name)
+        return self.local_cluster.address
+
+    def add_local_node(self, name: str) -> None:
+        """Start (again) the local Ray node of the file's node `name`."""
+        node = self.cluster.node(name)
+        self._local_nodes[name] = self.local_cluster.add_node(
+            **local_node_args(node, self.resource))
+
+    def kill_local_node(self, name: str) -> None:
+        """Kill a local Ray node at once, as a machine that fails would go."""
+        self.local_cluster.remove_node(self._local_nodes.pop(name), allow_graceful=False)
+
+    # -- bring up -----------------------------------------------------------
+    def start(self) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.prepare_ec_dir()
+        self._connect()
+        self.children = []
+        self._log_thread = threading.Thread(target=self._forward_logs, name="logs", daemon=True)
+        self._log_thread.start()
+        for index, proc in enumerate(store_processes(self.dep.mm_store) if self.dep.mm_store else []):
+            # The first checks every store port: the later ones start after it listens.
+            ports = self.dep.store_ports() if index == 0 else {}
+            spec = self._spec(proc.name, proc.command, {}, ports=ports)
+            child = self._start_on_head(spec, proc.health_url)
+            self._wait_serving(child)
+        groups = self._reserve_devices()
+        for launch in self.dep.launches:
+            self._start_instance(launch, *groups[launch.name])
+        self._start_proxy()
+        self._write_state()
+
+    def _spec(self, name: str, command: list[str], env: dict[str, str], **extra) -> ProcessSpec:
+        address = extra.pop("address", self.cluster.head_node.address)
+        return ProcessSpec(name=name, command=command, env=env, tag=self._tag(name),
+                           max_restarts=self.dep.config.max_restarts, address=address, **extra)
+
+    def _reserve_devices(self) -> dict[str, tuple[PlacementGroup, float]]:
+        """One placement group per device group of the plan, on its node. Returns
+        instance name -> (its group, how much of the group's devices it takes)."""
+        by_name = {launch.name: launch for launch in self.dep.launches}
+        shares: dict[str, tuple[PlacementGroup, float]] = {}
+        pending = {}
+        for group in self.dep.plan.groups():
+            launches = [by_name[inst.name] for inst in group]
+            devices = len({d for launch in launches for d in launch.devices})
+            pg = placement_group([{self.resource: devices}], strategy="STRICT_PACK",
+                                 bundle_label_selector=[{NODE_LABEL: launches[0].node}])
+            self._placement_groups.append(pg)
+            pending[pg.ready()] = (f"{devices} {self.resource} on node {launches[0].node} "
+                                   f"for {', '.join(l.name for l in launches)}")
+            for launch in launches:
+                shares[launch.name] = (pg, launch.instance.tensor_parallel / len(launches))
+        ready, waiting = ray.wait(list(pending), num_returns=len(pending),
+                                  timeout=self.cluster.placement_timeout_s)
+        if waiting:
+            raise LaunchError(f"Ray did not reserve {'; '.join(pending[r] for r in waiting)} "
+                              f"within {self.cluster.placement_timeout_s:.0f}s (`ray status` "
+                              "shows what each node has free)")
+        return shares
+
+    def _start_instance(self, launch: InstanceLaunch, group: PlacementGroup, share: float) -> None:
+        spec = self._spec(launch.name, self.platform.command(launch),
+                          self.platform.environment(launch), address=launch.host,
+                          ports=launch.ports(), required_path=launch.model,
+                          device_env=self.platform.device_visibility_env,
+                          ray_resource=self.resource)
+        options = resource_options(self.resource, share)
+        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, 0)
+        self._add_child(spec, launch.node, f"{launch.url}/health", options)
+
+    def _start_proxy(self) -> None:
+        config = proxy_config(self.dep).model_copy(
+            update={"roster_path": f"{RUN_DIR_PLACEHOLDER}/proxy-roster.json"})
+        command = [sys.executable, "-m", "epd_serve.proxy", "--config",
+                   f"{RUN_DIR_PLACEHOLDER}/proxy.json"]
+        spec = self._spec("proxy", command, {}, ports={self.dep.config.proxy_port: "proxy"},
+                          files={"proxy.json": config.model_dump_json(indent=2)})
+        self._start_on_head(spec, f"{self.dep.proxy_url}/ready")
+
+    def _start_on_head(self, spec: ProcessSpec, health_url: str) -> RayChild:
+        options = {"num_cpus": 0, "label_selector": {NODE_LABEL: self.cluster.head_node.name}}
+        return self._add_child(spec, self.cluster.head_node.name, health_url, options)
+
+    def _add_child(self, spec: ProcessSpec, node: str, health_url: str,
+                   options: dict[str, Any]) -> RayChild:
+        # max_restarts=-1: an actor whose node died comes back when the node does (its
+        # placement group waits for a node with the same label).
+        actor = _HostActor.options(max_restarts=-1, max_task_retries=0, **options).remote(spec)
+        child = RayChild(name=spec.name, node=node, health_url=health_url,
+                         log_path=self.log_dir / f"{spec.name}.log", actor=actor)
+        self.children.append(child)
+        return child
+
+    # -- keep up ------------------------------------------------------------
+    def poll_health(self, client) -> None:
+        self._refresh()
+        super().poll_health(client)
+
+    def supervise_once(self) -> list[str]:
+        return self._refresh()
+
+    def _refresh(self) -> list[str]:
+        """Ask every actor how its process is; report what changed."""
+        if not self.children:
+            return []
+        refs = {child.name: child.actor.status.remote() for child in self.children}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=STATUS_TIMEOUT_S)
+        events = []
+        for child in self.children:
+            try:
+                if refs[child.name] not in ready:
+                    raise TimeoutError
+                status = ray.get(refs[child.name])
+            except (ray.exceptions.RayError, TimeoutError):
+                if not child.lost:
+                    events.append(f"{child.name}: its actor on node {child.node} does not "
+                                  "answer (node lost?); Ray restarts it when the node is back")
+                child.lost, child.healthy = True, False
+                continue
+            if child.lost:
+                events.append(f"{child.name}: back on node {child.node}")
+            child.lost = False
+            events += status["events"]
+            child.restarts, child.gave_up = status["restarts"], status["gave_up"]
+            child.code, child.error = status["exit_code"], status["error"]
+            child.devices, child.node_id = status["devices"], status["node_id"]
+            if child.error and f"{child.name}: {child.error}" not in events:
+                events.append(f"{child.name}: {child.error}")
+        for event in events:
+            self.on_event(event)
+        return events
+
+    def _forward_logs(self) -> None:
+        """Append what each actor's process logged to <work_dir>/logs/<name>.log here."""
+        while not self._logs_done.wait(LOG_SYNC_INTERVAL_S):
+            self.sync_logs()
+
+    def sync_logs(self) -> None:
+        children = list(self.children)  # start() may be adding to it
+        if not children:
+            return
+        refs = {child.name: child.actor.read_log.remote(child.log_offset) for child in children}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=STATUS_TIMEOUT_S)
+        for child in children:
+            if refs[child.name] not in ready:
+                continue
+            try:
+                data, child.log_offset = ray.get(refs[child.name])
+            except ray.exceptions.RayError:
+                continue
+            if data:
+                with open(child.log_path, "ab") as log:
+                    log.write(data)
+
+    def _write_state(self) -> None:
+        state = {
+            "config": self.dep.config.name,
+            "launcher_pid": os.getpid(),
+            "children": {},  # no local processes: they stop with this launcher's Ray job
+            "ray_address": self.cluster.address,
+            "nodes": {child.name: child.node for child in self.children},
+            "proxy_url": self.dep.proxy_url,
+        }
+        self.state_path.write_text(json.dumps(state, indent=2))
+
+    # -- bring down ---------------------------------------------------------
+    def stop(self) -> None:
+        self._stopping = True
+        self._logs_done.set()
+        if self._log_thread is not None:
+            self._log_thread.join()
+        if ray.is_initialized():
+            refs = [child.actor.stop.remote() for child in self.children]
+            ray.wait(refs, num_returns=len(refs), timeout=STOP_GRACE_S + 5)
+            self.sync_logs()
+            for child in self.children:
+                ray.kill(child.actor, no_restart=True)
+            for pg in self._placement_groups:
+                remove_placement_group(pg)
+            ray.shutdown()
+        if self.local_cluster is not None:
+            self.local_cluster.shutdown()
+        self.state_path.unlink(missing_ok=True)
