@@ -88,6 +88,17 @@ class ClusterSpec(BaseModel):
         return next(node for node in self.nodes if node.name == name)
 
 
+def ray_resource_args(resource: str, amount: float) -> dict:
+    """Ray's keyword for `amount` of a device resource, the same in `ray.remote` options,
+    `add_node` and (dashed) `ray start`: CPU and GPU have their own; any other, such as
+    NPU, is a custom resource."""
+    if resource == "CPU":
+        return {"num_cpus": amount}
+    if resource == "GPU":
+        return {"num_gpus": amount}
+    return {"resources": {resource: amount}}
+
+
 class PlacementError(ValueError):
     """The plan does not fit the cluster; the message names what is missing."""
 

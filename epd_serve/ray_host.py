@@ -60,9 +60,8 @@ class ProcessHost:
             # engine is not Ray's worker and runs with the environment the HAL gives it.
             os.environ.pop("OMP_NUM_THREADS", None)
         env = {key: self._fill(value) for key, value in spec.env.items()}
-        self.devices = self._assigned_devices()
-        if spec.device_env and self.devices:
-            env[spec.device_env] = ",".join(self.devices)
+        if spec.device_env and (devices := self._assigned_devices()):
+            env[spec.device_env] = ",".join(devices)
         self.child = Child(name=spec.name, command=[self._fill(w) for w in spec.command],
                            env=env, log_path=self.run_dir / "process.log", health_url="",
                            tag=spec.tag)
@@ -116,7 +115,6 @@ class ProcessHost:
             "node_id": context.get_node_id() if context else None,
             "actor_pid": os.getpid(),
             "pid": self.child.process.pid if self.child.process else None,
-            "devices": self.devices,
             "restarts": self.child.restarts,
             "gave_up": self.child.gave_up or self.error is not None,
             "exit_code": self.child.exit_code(),

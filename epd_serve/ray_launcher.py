@@ -28,7 +28,7 @@ from epd_serve.config import ResolvedDeployment
 from epd_serve.hal import InstanceLaunch
 from epd_serve.launcher import STOP_GRACE_S, Launcher, LaunchError, log_tail, proxy_config
 from epd_serve.mmstore.service import store_processes
-from epd_serve.placement import NODE_LABEL, ClusterSpec, NodeSpec
+from epd_serve.placement import NODE_LABEL, ClusterSpec, NodeSpec, ray_resource_args
 from epd_serve.ray_host import RUN_DIR_PLACEHOLDER, ProcessHost, ProcessSpec
 
 _HostActor = ray.remote(ProcessHost)
@@ -53,7 +53,6 @@ class RayChild:
     code: int | None = None
     error: str | None = None
     lost: bool = False  # its actor does not answer: the node died or restarts
-    devices: list[str] = dataclasses.field(default_factory=list)
     node_id: str | None = None
     log_offset: int = 0
 
@@ -88,29 +87,16 @@ def node_problems(cluster: ClusterSpec, ray_nodes: list[dict], resource: str) ->
 
 
 def resource_options(resource: str, amount: float) -> dict[str, Any]:
-    """Ray actor options that take `amount` of a device resource (CPU and GPU have
-    their own option names; anything else, such as NPU, is a custom resource)."""
-    amount = round(amount, 4)  # Ray's precision for fractional resources
-    if resource == "CPU":
-        return {"num_cpus": amount}
-    if resource == "GPU":
-        return {"num_cpus": 0, "num_gpus": amount}
-    return {"num_cpus": 0, "resources": {resource: amount}}
+    """Ray actor options that take `amount` of a device resource, and no CPU beside it."""
+    return {"num_cpus": 0, **ray_resource_args(resource, round(amount, 4))}  # Ray's precision
 
 
 def local_node_args(node: NodeSpec, resource: str) -> dict[str, Any]:
     """`ray.cluster_utils.Cluster.add_node` arguments for one node of the file on this
     machine: its address, label and devices as Ray resources."""
-    args: dict[str, Any] = {"node_ip_address": node.address, "labels": {NODE_LABEL: node.name},
-                            "object_store_memory": LOCAL_OBJECT_STORE_BYTES,
-                            "include_dashboard": False}
-    if resource == "CPU":
-        args["num_cpus"] = len(node.devices)
-    else:
-        args["num_cpus"] = 1
-        args.update({"num_gpus": len(node.devices)} if resource == "GPU"
-                    else {"resources": {resource: len(node.devices)}})
-    return args
+    return {"node_ip_address": node.address, "labels": {NODE_LABEL: node.name},
+            "object_store_memory": LOCAL_OBJECT_STORE_BYTES, "include_dashboard": False,
+            "num_cpus": 1, **ray_resource_args(resource, len(node.devices))}
 
 
 class RayLauncher(Launcher):
@@ -256,19 +242,27 @@ class RayLauncher(Launcher):
     def supervise_once(self) -> list[str]:
         return self._refresh()
 
+    def _ask(self, children: list[RayChild], call) -> dict[str, Any]:
+        """`call(child)` (a method call on its actor) for every child at once. Returns
+        name -> the answer, or the exception standing for none (a dead or restarting
+        actor, or no answer within STATUS_TIMEOUT_S)."""
+        refs = {child.name: call(child) for child in children}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=STATUS_TIMEOUT_S)
+        answers: dict[str, Any] = {}
+        for name, ref in refs.items():
+            try:
+                answers[name] = ray.get(ref) if ref in ready else TimeoutError()
+            except ray.exceptions.RayError as err:
+                answers[name] = err
+        return answers
+
     def _refresh(self) -> list[str]:
         """Ask every actor how its process is; report what changed."""
-        if not self.children:
-            return []
-        refs = {child.name: child.actor.status.remote() for child in self.children}
-        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=STATUS_TIMEOUT_S)
+        answers = self._ask(self.children, lambda child: child.actor.status.remote())
         events = []
         for child in self.children:
-            try:
-                if refs[child.name] not in ready:
-                    raise TimeoutError
-                status = ray.get(refs[child.name])
-            except (ray.exceptions.RayError, TimeoutError):
+            status = answers[child.name]
+            if isinstance(status, Exception):
                 if not child.lost:
                     events.append(f"{child.name}: its actor on node {child.node} does not "
                                   "answer (node lost?); Ray restarts it when the node is back")
@@ -278,11 +272,11 @@ class RayLauncher(Launcher):
                 events.append(f"{child.name}: back on node {child.node}")
             child.lost = False
             events += status["events"]
+            if status["error"] and status["error"] != child.error:
+                events.append(f"{child.name}: {status['error']}")
             child.restarts, child.gave_up = status["restarts"], status["gave_up"]
             child.code, child.error = status["exit_code"], status["error"]
-            child.devices, child.node_id = status["devices"], status["node_id"]
-            if child.error and f"{child.name}: {child.error}" not in events:
-                events.append(f"{child.name}: {child.error}")
+            child.node_id = status["node_id"]
         for event in events:
             self.on_event(event)
         return events
@@ -294,17 +288,11 @@ class RayLauncher(Launcher):
 
     def sync_logs(self) -> None:
         children = list(self.children)  # start() may be adding to it
-        if not children:
-            return
-        refs = {child.name: child.actor.read_log.remote(child.log_offset) for child in children}
-        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=STATUS_TIMEOUT_S)
+        answers = self._ask(children, lambda child: child.actor.read_log.remote(child.log_offset))
         for child in children:
-            if refs[child.name] not in ready:
+            if isinstance(answer := answers[child.name], Exception):
                 continue
-            try:
-                data, child.log_offset = ray.get(refs[child.name])
-            except ray.exceptions.RayError:
-                continue
+            data, child.log_offset = answer
             if data:
                 with open(child.log_path, "ab") as log:
                     log.write(data)

@@ -18,7 +18,7 @@ from epd_serve.config import ResolvedDeployment
 from epd_serve.hal import Platform
 from epd_serve.launcher import proxy_config
 from epd_serve.mmstore.service import store_processes
-from epd_serve.placement import NODE_LABEL, NodeSpec
+from epd_serve.placement import NODE_LABEL, NodeSpec, ray_resource_args
 
 
 def emit_shell(dep: ResolvedDeployment, platform: Platform, config_path: str = "CONFIG") -> str:
@@ -102,12 +102,9 @@ def ray_start_line(node: NodeSpec, platform: Platform, head: str | None, head_po
     words = ["ray", "start", f"--node-ip-address={node.address}",
              f"--labels={NODE_LABEL}={node.name}"]
     words += ["--head", f"--port={head_port}"] if head is None else [f"--address={head}:{head_port}"]
-    if platform.ray_resource == "CPU":
-        words.append(f"--num-cpus={len(node.devices)}")
-    elif platform.ray_resource == "GPU":
-        words.append(f"--num-gpus={len(node.devices)}")
-    else:
-        words.append(f"--resources={json.dumps({platform.ray_resource: len(node.devices)})}")
+    for key, value in ray_resource_args(platform.ray_resource, len(node.devices)).items():
+        words.append(f"--{key.replace('_', '-')}="
+                     + (json.dumps(value) if isinstance(value, dict) else str(value)))
     visible = f"{platform.device_visibility_env}={devices} " if platform.device_visibility_env else ""
     return f'{visible}"$BIN/{words[0]}" {shlex.join(words[1:])}'
 

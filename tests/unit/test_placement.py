@@ -218,3 +218,45 @@ def test_one_host_needs_no_ray_and_a_cluster_file_says_how_to_get_it():
     assert result.returncode == 0, result.stderr
     assert "cpu-ray-e-p-d spans a cluster, which runs on Ray" in result.stdout
     assert "pip install 'epd-serve[cluster]'" in result.stdout
+
+
+def test_a_ray_cluster_unlike_the_file_fails_start_up_with_why_and_leaves_nothing(
+        tmp_path, monkeypatch):
+    import ray
+
+    from epd_serve import ray_launcher
+    from epd_serve.launcher import LaunchError
+
+    why = "b is at 127.0.0.2 in Ray but at 127.0.0.1 in the file"
+    monkeypatch.setattr(ray_launcher, "node_problems", lambda *args: [why])
+    dep = deploy.load(cpu_file(tmp_path, "deployment: P-D\nmm_store: {backend: mooncake}\n"
+                               + TWO_NODES))
+    # The check fails after Ray is joined and before any actor exists: stopping what
+    # was started must not hide the reason.
+    with pytest.raises(LaunchError, match=f"the Ray cluster does not have the nodes t places "
+                       f"instances on: {why}"):
+        deploy.bring_up(dep)
+    assert not ray.is_initialized()
+
+
+def test_the_driver_reports_a_lost_node_its_return_and_an_actor_error_once(tmp_path, monkeypatch):
+    from epd_serve.ray_launcher import RayChild, RayLauncher
+
+    dep = deploy.load(cpu_file(tmp_path, "deployment: P-D\nmm_store: {backend: mooncake}\n"
+                               + TWO_NODES))
+    launcher = RayLauncher(dep, on_event=lambda event: None)
+    launcher.children = [RayChild(name="p0", node="a", health_url="", log_path=tmp_path / "p0")]
+    ok = {"events": [], "restarts": 0, "gave_up": False, "exit_code": None, "error": None,
+          "node_id": "n"}
+    refused = {**ok, "gave_up": True, "error": "port 1 (instance p0) on 127.0.0.1 is in use"}
+    answers = [TimeoutError(), TimeoutError(), ok, refused, refused]  # one per refresh
+    monkeypatch.setattr(launcher, "_ask", lambda children, call: {"p0": answers.pop(0)})
+    assert [launcher.supervise_once() for _ in range(5)] == [
+        ["p0: its actor on node a does not answer (node lost?); Ray restarts it when the "
+         "node is back"],
+        [],
+        ["p0: back on node a"],
+        ["p0: port 1 (instance p0) on 127.0.0.1 is in use"],
+        [],
+    ]
+    assert launcher.children[0].exit_code() == -1
