@@ -6,6 +6,9 @@ configs/cpu/ray-e-p-d.yaml (three raylets, one actor per process); time until ev
 process is healthy, until warmed up, then one text and one image request; stop.
 
     scripts/in-netns.sh .venv/bin/python benchmarks/cluster_startup.py [--rounds 2]
+
+Last line:
+  summary: ray_vs_host_healthy=<ratio> host_healthy_s=<s> ray_healthy_s=<s>
 """
 
 from __future__ import annotations
@@ -67,7 +70,8 @@ def main() -> None:
         print(f"{name:<16} {med['healthy_s']:>10.1f} {med['warmed_s']:>10.1f} "
               f"{med['text_ms']:>9.0f} {med['image_ms']:>9.0f}")
     one, ray = ([statistics.median(r["healthy_s"] for r in results[n]) for n in CONFIGS])
-    print(f"\nthree Ray nodes / one host, time to healthy: {ray / one:.2f}x")
+    print(f"\nsummary: ray_vs_host_healthy={ray / one:.2f}x host_healthy_s={one:.1f} "
+          f"ray_healthy_s={ray:.1f}")
 
 
 if __name__ == "__main__":
