@@ -18,6 +18,7 @@ from pathlib import Path
 
 from epd_serve import topology
 from epd_serve.bench.cli import add_bench_parser
+from epd_serve.planner.cli import add_planner_parsers
 from epd_serve.config import PLATFORMS, ConfigError
 
 
@@ -320,6 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     add_bench_parser(sub)
+    add_planner_parsers(sub)
     return parser
 
 

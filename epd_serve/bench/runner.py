@@ -14,6 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from epd_serve.bench import arrivals, client, workloads
 from epd_serve.bench.metrics import SLO, RequestRecord, summarize
+from epd_serve.planner.search import largest_passing
 
 GOODPUT_ATTAINMENT = 0.9  # goodput = highest rate with at least 90% SLO attainment
 
@@ -128,18 +129,7 @@ def find_goodput(spec: LoadSpec, low: float, high: float, iterations: int = 5,
         runs.append(result)
         return result.summary["slo_attainment"] >= GOODPUT_ATTAINMENT
 
-    if not passes(low):
-        return None, runs
-    if passes(high):
-        return high, runs
-    good, bad = low, high
-    for _ in range(iterations):
-        mid = (good + bad) / 2
-        if passes(mid):
-            good = mid
-        else:
-            bad = mid
-    return good, runs
+    return largest_passing(passes, low, high, iterations=iterations), runs
 
 
 def compare_deployments(config_paths: list[str], spec: LoadSpec, rates: list[float],
@@ -150,11 +140,21 @@ def compare_deployments(config_paths: list[str], spec: LoadSpec, rates: list[flo
     from epd_serve import deploy
     from epd_serve.bench.report import write_report
 
+    results, goodputs = compare_resolved([deploy.load(p) for p in config_paths], spec, rates,
+                                         goodput, console)
+    return write_report(results, out_dir, spec, goodputs)
+
+
+def compare_resolved(deps: list, spec: LoadSpec, rates: list[float],
+                     goodput: tuple[float, float] | None = None,
+                     console: Console | None = None) -> tuple[list[RunResult], dict]:
+    """compare_deployments on loaded deployments: (every run, goodput per deployment)."""
+    from epd_serve import deploy
+
     console = console or Console(stderr=True)
     results: list[RunResult] = []
     goodputs: dict[str, float | None] = {}
-    for path in config_paths:
-        dep = deploy.load(path)
+    for dep in deps:
         label = f"{dep.config.name} ({dep.plan.to_notation()})"
         run_spec = dataclasses.replace(
             spec, url=dep.proxy_url, model=dep.launches[0].served_model_name,
@@ -170,7 +170,7 @@ def compare_deployments(config_paths: list[str], spec: LoadSpec, rates: list[flo
                 goodputs[label] = value
         finally:
             launcher.stop()
-    return write_report(results, out_dir, spec, goodputs)
+    return results, goodputs
 
 
 def quick_report(dep, requests: int, out_dir: Path) -> Path:

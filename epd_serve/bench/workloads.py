@@ -131,6 +131,42 @@ def aisbench_jsonl(path: str | Path, output_tokens: int) -> list[RequestSpec]:
     return out
 
 
+def request_trace(path: str | Path, output_tokens: int | None) -> list[RequestSpec]:
+    """A request trace (what `epd-serve plan --trace` reads, and what the load tool
+    replays with `--process trace --trace` on the same file): JSONL, one request per
+    line, {"timestamp": s, "text": ... or "prompt_words": n, "images": [[w, h], ...],
+    "output_tokens": n}. Images are generated at the recorded sizes."""
+    path = Path(path)
+    out = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            text = row.get("text") or " ".join(
+                _WORDS[(lineno + k) % len(_WORDS)] for k in range(int(row.get("prompt_words", 8))))
+            images = tuple(ImageRef(int(w), int(h), seed=lineno * 101 + j)
+                           for j, (w, h) in enumerate(row.get("images") or []))
+            n_out = output_tokens or int(row.get("output_tokens", 64))
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"{path}:{lineno}: not a trace row ({err})") from None
+        out.append(RequestSpec(len(out), text, images, n_out))
+    return out
+
+
+def is_request_trace(path: Path) -> bool:
+    """A JSONL whose rows say what each request asks, not only when it comes."""
+    if path.suffix != ".jsonl" or not path.is_file():
+        return False
+    first = next((line for line in path.read_text().splitlines() if line.strip()), "")
+    try:
+        row = json.loads(first)
+    except ValueError:
+        return False
+    return (isinstance(row, dict) and "timestamp" in row
+            and any(k in row for k in ("text", "prompt_words", "images", "output_tokens")))
+
+
 def sharegpt_json(path: str | Path, output_tokens: int | None, image_root: str | None = None) -> list[RequestSpec]:
     """ShareGPT JSON: [{"conversations": [{"from": "human", "value": ...},
     {"from": "gpt", "value": ...}], "image": optional path}]. Without output_tokens the
@@ -174,13 +210,16 @@ def load_workload(name_or_path: str, n: int, output_tokens: int | None, seed: in
     path = Path(name_or_path)
     if path.is_dir():
         base = image_folder(path, output_tokens or 64)
+    elif is_request_trace(path):
+        base = request_trace(path, output_tokens)
     elif path.suffix == ".jsonl":
         base = aisbench_jsonl(path, output_tokens or 64)
     elif path.suffix == ".json":
         base = sharegpt_json(path, output_tokens)
     else:
         raise ValueError(f"unknown workload {name_or_path!r}: use a preset "
-                         f"({', '.join(PRESETS)}), a .jsonl (AISBench), a .json (ShareGPT) "
+                         f"({', '.join(PRESETS)}), a .jsonl (AISBench, or a request trace), a .json "
+                         "(ShareGPT) "
                          "or a folder of images")
     if not base:
         raise ValueError(f"workload {name_or_path} holds no requests")

@@ -1,0 +1,219 @@
+"""`epd-serve profile | simulate | plan`: argument parsing and the commands' flow."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from pathlib import Path
+
+from epd_serve.bench.cli import _common, _rates, _spec
+
+
+def _requests(args, spec):
+    """The load tool's requests for these arguments (a simulated and a real run of the
+    same arguments see the same requests), and the spec they came from. A request
+    trace given as --trace is the workload and the arrivals at once."""
+    from epd_serve.bench import workloads
+
+    if args.trace and workloads.is_request_trace(Path(args.trace)):
+        rows = sum(1 for line in Path(args.trace).read_text().splitlines() if line.strip())
+        spec = dataclasses.replace(spec, workload=args.trace, process="trace", num_requests=rows)
+    specs = workloads.load_workload(spec.workload, spec.num_requests, spec.output_tokens, spec.seed)
+    return spec, specs
+
+
+def _offsets(spec, n: int, rate: float | None):
+    from epd_serve.bench import arrivals
+
+    offsets = arrivals.schedule(spec.process, n, rate, burstiness=spec.burstiness,
+                                end_rate=spec.end_rate, trace=spec.trace, speedup=spec.speedup,
+                                seed=spec.seed)
+    return offsets[:n]
+
+
+def cmd_simulate(args) -> int:
+    from epd_serve import topology
+    from epd_serve.bench.report import write_report
+    from epd_serve.planner import profile as profiles
+    from epd_serve.planner import simulator
+
+    prof = profiles.load(args.profile)
+    plan = topology.parse(args.deployment)
+    spec, specs = _requests(args, _spec(args, url="simulated", model=prof.model,
+                                        num_devices=plan.num_devices))
+    results = []
+    for rate in args.rates:
+        offsets = _offsets(spec, len(specs), rate)
+        run, _ = simulator.simulate(simulator.instances_of(plan), prof, specs[:len(offsets)],
+                                    offsets, spec.slo, rate, plan.num_devices,
+                                    f"{args.deployment} (simulated)")
+        s = run.summary
+        print(f"{args.deployment} @ {rate} req/s: TTFT p50 {s['ttft_ms']['median']:.1f} ms, "
+              f"TPOT p50 {s['tpot_ms']['median'] or 0:.1f} ms, SLO attainment "
+              f"{s['slo_attainment']:.0%}", file=sys.stderr)
+        results.append(run)
+    print(f"report: {write_report(results, Path(args.out), spec)}")
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from rich.console import Console
+
+    from epd_serve.planner import planner
+    from epd_serve.planner import profile as profiles
+    from epd_serve.planner import report
+
+    console = Console(stderr=True)
+    prof = profiles.load(args.profile)
+    spec, specs = _requests(args, _spec(args, url="simulated", model=prof.model,
+                                        num_devices=args.devices))
+    if spec.process != "trace" and args.rate is None:
+        raise ValueError("give --rate (requests per second), or a --trace to replay")
+    offsets = _offsets(spec, len(specs), args.rate)
+    specs = specs[:len(offsets)]
+    console.print(f"planning {args.devices} devices for {len(specs)} requests "
+                  f"({spec.workload}, {spec.process}) with profile {prof.name}")
+    with console.status("simulating candidates") as status:
+        result = planner.plan(prof, specs, offsets, spec.slo, args.devices, args.all_splits,
+                              progress=lambda c: status.update(f"simulated {c.notation}"),
+                              rate=args.rate if spec.process != "trace" else None,
+                              max_instances=args.max_instances)
+    w = result.work
+    console.print("stage work: " + ", ".join(
+        f"{s} {w.work[s]:.0f} tokens / {w.throughput[s]:.0f} tok/s = {w.seconds[s]:.1f} s"
+        for s in "EPD" if math.isfinite(w.throughput[s])))
+    # Piped to a file, rich would squeeze the table into 80 columns.
+    Console(width=None if sys.stdout.isatty() else 200).print(report.table(result))
+    for cand in result.skipped:
+        print(f"left out {cand.notation}: {len(cand.instances)} engine processes > "
+              f"--max-instances {args.max_instances}")
+    print(report.recommendation(result))
+    out = report.write(result, Path(args.out), dataclasses.replace(spec, num_devices=args.devices))
+    print(f"plot: {out / 'plan.png'}\nreport: {out}")
+    if args.verify:
+        from epd_serve.planner.verify import verify
+
+        agreed = verify(result, args.verify, spec, Path(args.out) / "verify", args.verify_top,
+                        args.rate, console)
+        return 0 if agreed else 3
+    return 0
+
+
+def cmd_profile(args) -> int:
+    from epd_serve.bench.metrics import SLO
+    from epd_serve.planner import profile as profiles
+    from epd_serve.planner import profiler
+
+    slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms)
+    base = profiles.load(args.base)
+    if args.url:
+        prober = profiler.Prober(args.url, args.model, args.repeats)
+        return _save(profiler.measure(prober, base, slo, args.max_tokens), args)
+    from epd_serve import deploy
+
+    dep = deploy.load(args.config)
+    target = next((l for l in dep.launches if set(l.instance.roles) == set("EPD")), None)
+    split = profiler.splits_prefill_decode(dep.plan)
+    if target is None and not split:
+        raise ValueError(f"{args.config} has neither an instance that runs every stage "
+                         "(profile its engine costs on e.g. configs/cpu/tp1.yaml) nor a "
+                         "prefill -> decode hand-off (measure hand-offs on e.g. "
+                         "configs/cpu/e-p-d.yaml with --base set to the engine profile)")
+    launcher = deploy.bring_up(dep)
+    try:
+        if target is not None:
+            prober = profiler.Prober(dep.proxy_url, target.served_model_name, args.repeats)
+            prof = profiler.measure(prober, base, slo, args.max_tokens)
+            what = f"engine costs of {target.name} through the proxy of {dep.plan.to_notation()}"
+        else:
+            from rich.console import Console
+
+            prof = profiler.measure_handoffs(base, dep, slo, console=Console(stderr=True))
+            what = f"hand-offs of {dep.plan.to_notation()} (engine costs from {args.base})"
+    finally:
+        launcher.stop()
+    source = f"measured by `epd-serve profile {args.config}`: {what}"
+    if target is not None:
+        from epd_serve.bench import workloads
+
+        texts = [s.text for name in ("tiny-mm", "text", "visualwebinstruct")
+                 for s in workloads.load_workload(name, 50, 1)]
+        per_word, template = profiler.text_tokens(str(dep.model_dir), texts)
+        prof = prof.model_copy(update={
+            "tokens_per_word": round(per_word, 3), "template_tokens": template,
+            "name": args.name or f"{dep.config.platform}-{target.served_model_name}",
+            "platform": dep.config.platform, "model": target.served_model_name,
+            "source": f"{source}, {args.repeats} repeats per probe"})
+    else:
+        prof = prof.model_copy(update={"name": args.name or prof.name,
+                                       "source": f"{prof.source}; {source}"})
+    return _save(prof, args)
+
+
+def _save(prof, args) -> int:
+    from epd_serve.planner import profile as profiles
+
+    path = profiles.save(prof, args.out)
+    b = prof.measured["budgets"]
+    print(f"budgets for TTFT {args.slo_ttft_ms:.0f} ms / TPOT {args.slo_tpot_ms:.0f} ms: "
+          f"E {b['E']['images']} images, P {b['P']['tokens']} tokens, PD {b['PD']['tokens']} "
+          f"tokens, D {b['D']['seqs']} sequences")
+    if "handoffs" in prof.measured:
+        h = prof.measured["handoffs"]
+        print(f"hand-offs of {h['deployment']} (medians): P -> D {h['kv_fixed_ms']} ms, "
+              f"E -> P {h['feature_fixed_ms']} ms per request, decode +{h['consumer_step_ms']} "
+              "ms per step")
+    print(f"profile: {path}")
+    return 0
+
+
+def add_planner_parsers(sub) -> None:
+    p = sub.add_parser("profile", help="measure stage costs and budgets of an engine into a profile")
+    p.add_argument("config", nargs="?", help="deployment file, started, measured and stopped: "
+                   "a monolithic (EPD) instance gives engine costs and budgets; a split one "
+                   "(e.g. E-P-D) gives the hand-offs' costs on top of --base")
+    p.add_argument("--url", help="measure this running engine instead (with --model)")
+    p.add_argument("--model", help="model name of the engine at --url")
+    p.add_argument("--base", default="cpu-tiny-qwen2-vl",
+                   help="profile the unmeasured parts come from (transfers, sharing, memory)")
+    p.add_argument("--name", help="profile name (default: <platform>-<model>)")
+    p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    p.add_argument("--slo-tpot-ms", type=float, default=200.0)
+    p.add_argument("--repeats", type=int, default=3, help="samples per probe (median)")
+    p.add_argument("--max-tokens", type=int, default=2048, help="largest prefill probe")
+    p.add_argument("--out", default="results/profile.yaml")
+    p.set_defaults(func=_check_profile_args(cmd_profile))
+
+    p = sub.add_parser("simulate", help="a load run against a simulated deployment")
+    p.add_argument("--profile", required=True, help="profile file or shipped name")
+    p.add_argument("--deployment", required=True, help="notation, e.g. E-P-D or '(E-P)x2-D'")
+    _common(p, needs_url=False)
+    p.add_argument("--rates", type=_rates, required=True)
+    p.set_defaults(func=cmd_simulate, out="results/simulated")
+
+    p = sub.add_parser("plan", help="choose the deployment for a workload and an SLO")
+    p.add_argument("--profile", required=True, help="profile file or shipped name")
+    p.add_argument("--devices", type=int, required=True, help="devices to split")
+    p.add_argument("--rate", type=float, help="request rate (not needed with a trace)")
+    p.add_argument("--all-splits", action="store_true",
+                   help="simulate every split of the devices, not only the proportional one")
+    p.add_argument("--verify", metavar="BASE_CONFIG",
+                   help="also bring up the top launchable candidates from this deployment "
+                        "file and run the load tool on them")
+    p.add_argument("--verify-top", type=int, default=2)
+    p.add_argument("--max-instances", type=int,
+                   help="leave out candidates with more engine processes (host memory)")
+    _common(p, needs_url=False)
+    p.set_defaults(func=cmd_plan, out="results/plan")
+
+
+def _check_profile_args(func):
+    def run(args):
+        if bool(args.config) == bool(args.url):
+            raise ValueError("give a deployment file, or --url and --model of a running engine")
+        if args.url and not args.model:
+            raise ValueError("--url needs --model")
+        return func(args)
+    return run
+

@@ -1,0 +1,338 @@
+"""`epd-serve profile`: measure what each stage costs on a running engine, search its
+stage budgets (Algorithm 1) probe by probe, and write a profile file.
+
+The engine must run every stage (a monolithic instance: TP1, or an EPD member of a
+deployment): prefill is timed with prompts of exact token ids and one output token,
+the encoder with concurrent single-image requests (minus the prefill of their
+tokens), decode with concurrent streams whose token gaps are one iteration each.
+Every probe uses fresh token ids and fresh images so that neither the prefix cache nor
+the multimodal cache answers for the engine. Probes go through the deployment's proxy,
+as clients' requests do.
+
+The hand-offs of a split deployment (E -> P features, P -> D KV) are measured apart
+(measure_handoffs): a slow load run through its proxy, replayed in the simulator with
+the engine costs, leaves the hand-offs' fixed costs as the difference. Runs in the CLI
+process (httpx, and the load tool).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from collections.abc import Callable
+
+import httpx
+import numpy as np
+
+from epd_serve.bench.metrics import SLO
+from epd_serve.payloads import chat_body, image_data_url, make_image
+from epd_serve.planner import budgets
+from epd_serve.planner.profile import EncoderCost, LLMCost, Profile
+
+TOKEN_ID_RANGE = (20, 250)  # byte-level ids every Qwen-family vocabulary has
+
+
+class Prober:
+    """Timed requests against one OpenAI-compatible engine."""
+
+    def __init__(self, url: str, model: str, repeats: int = 3, timeout_s: float = 300.0,
+                 log: Callable[[str], None] = print):
+        self.url = url.rstrip("/")
+        self.model = model
+        self.repeats = repeats
+        self.timeout_s = timeout_s
+        self.log = log
+        self._rng = np.random.default_rng(0)
+        self._image_seed = 10_000
+        self.points: dict[str, list] = {"prefill": [], "decode": [], "encode": []}
+
+    def _ids(self, n: int) -> list[int]:
+        return self._rng.integers(*TOKEN_ID_RANGE, size=n).tolist()
+
+    async def _completion(self, client: httpx.AsyncClient, base: str, ids: list[int],
+                          max_tokens: int) -> list[float]:
+        """Streams a completion of exact token ids; returns the arrival time of every
+        token chunk (seconds, monotonic)."""
+        body = {"model": self.model, "prompt": ids, "max_tokens": max_tokens,
+                "ignore_eos": True, "stream": True, "temperature": 0.0}
+        times = []
+        async with client.stream("POST", f"{base}/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                raise RuntimeError(f"{base} answered {resp.status_code}: {(await resp.aread())[:200]!r}")
+            async for line in resp.aiter_lines():
+                if line.startswith("data:") and "[DONE]" not in line and '"text"' in line:
+                    times.append(time.monotonic())
+        return times
+
+    async def _first_token(self, client: httpx.AsyncClient, body: dict) -> float:
+        """Streams a chat request; returns when its first token arrived (monotonic s)."""
+        async with client.stream("POST", f"{self.url}/v1/chat/completions",
+                                 json={**body, "stream": True}) as resp:
+            if resp.status_code != 200:
+                raise RuntimeError(f"{self.url} answered {resp.status_code}: "
+                                   f"{(await resp.aread())[:200]!r}")
+            first = None
+            async for line in resp.aiter_lines():
+                if first is None and line.startswith("data:") and '"content"' in line:
+                    first = time.monotonic()
+        if first is None:
+            raise RuntimeError(f"{self.url} streamed no token")
+        return first
+
+    def _run(self, coro_factory) -> list:
+        async def main():
+            async with httpx.AsyncClient(timeout=self.timeout_s) as client:
+                return await coro_factory(client)
+        return asyncio.run(main())
+
+    # -- the three probes -------------------------------------------------------------
+    def prefill_ms(self, tokens: int) -> float:
+        """One prompt of `tokens` token ids: time to its first token, streamed."""
+        samples = []
+        for _ in range(self.repeats):
+            async def one(client, ids=self._ids(tokens)):
+                start = time.monotonic()
+                times = await self._completion(client, self.url, ids, 1)
+                return (times[0] - start) * 1e3
+            samples.append(self._run(one))
+        ms = statistics.median(samples)
+        self.points["prefill"].append((tokens, ms))
+        self.log(f"  prefill {tokens:5d} tokens: {ms:7.1f} ms")
+        return ms
+
+    def decode_ms(self, seqs: int, steps: int = 49) -> float:
+        """`seqs` concurrent streams of 16-token prompts: time per output token after
+        the first ((last - first) / (tokens - 1), the load tool's TPOT), median over
+        streams. By tokens, not chunk gaps: a server may flush several in one write."""
+        async def batch(client):
+            streams = [self._completion(client, self.url, self._ids(16), steps) for _ in range(seqs)]
+            return await asyncio.gather(*streams)
+        per_token = []
+        for _ in range(self.repeats + 2):  # decode gaps are the noisiest probe on a busy host
+            for times in self._run(batch):
+                if len(times) > 1:
+                    per_token.append((times[-1] - times[0]) / (steps - 1))
+        ms = float(np.median(per_token)) * 1e3 if per_token else float("nan")
+        self.points["decode"].append((seqs, ms))
+        self.log(f"  decode  {seqs:5d} seqs:   {ms:7.1f} ms per token")
+        return ms
+
+    def images_ms(self, count: int, size: int) -> float:
+        """`count` concurrent single-image requests of size x size, streamed: time until
+        every first token arrived."""
+        samples = []
+        for _ in range(self.repeats):
+            urls = []
+            for _ in range(count):
+                self._image_seed += 1
+                urls.append(image_data_url(make_image(size, size, self._image_seed)))
+
+            async def burst(client, urls=urls):
+                start = time.monotonic()
+                firsts = await asyncio.gather(*(self._first_token(client, chat_body(
+                    self.model, "describe", [u], max_tokens=1)) for u in urls))
+                return (max(firsts) - start) * 1e3
+            samples.append(self._run(burst))
+        ms = statistics.median(samples)
+        self.points["encode"].append((count, size, ms))
+        self.log(f"  images  {count:5d} x {size}px: {ms:7.1f} ms")
+        return ms
+
+
+def _fit(xs: list[list[float]], ys: list[float]) -> np.ndarray:
+    """Least squares on relative error (a 20 ms probe counts as much as a 600 ms one),
+    coefficients kept non-negative (a cost never shrinks with load): a coefficient that
+    comes out negative is dropped and the rest refitted."""
+    a, b = np.asarray(xs, dtype=float), np.asarray(ys, dtype=float)
+    weight = 1.0 / np.maximum(np.abs(b), 1e-6)
+    keep = np.ones(a.shape[1], dtype=bool)
+    coef = np.zeros(a.shape[1])
+    while keep.any():
+        sol, *_ = np.linalg.lstsq(a[:, keep] * weight[:, None], b * weight, rcond=None)
+        if (sol >= 0).all():
+            coef[keep] = sol
+            break
+        keep[np.flatnonzero(keep)[np.argmin(sol)]] = False
+    return coef
+
+
+def measure(prober: Prober, base: Profile, slo: SLO, max_tokens: int = 2048,
+            max_images: int = 8, max_seqs: int = 32, image_size: int = 448) -> Profile:
+    """Measure the engine behind `prober` (through its proxy, as clients reach it),
+    search each role's budget against it, and return `base` with the measured costs and
+    budgets. A request's own costs (the proxy, HTTP, tokenising, scheduling) are the
+    prefill intercept beyond one iteration: the profile charges them per hop. E -> P
+    and P -> D hand-offs stay as in `base` (see measure_handoffs)."""
+    log = prober.log
+    log("prefill: token budget under alpha x TTFT and under TBT (binary search)")
+    prefill_cache: dict[int, float] = {}
+
+    def prefill(n: int) -> float:
+        if n not in prefill_cache:
+            prefill_cache[n] = prober.prefill_ms(n)
+        return prefill_cache[n]
+
+    for n in (16, 128, 512):
+        prefill(n)
+    limits = {roles: budgets.latency_limit_ms(roles, slo, base.alpha) for roles in ("P", "PD")}
+    p_budget = budgets.search_budget(prefill, limits["P"], max_tokens)
+    pd_budget = budgets.search_budget(prefill, limits["PD"], max_tokens)
+    pts = sorted(prefill_cache.items())
+    fixed_p, per_token = _fit([[1, n] for n, _ in pts], [ms for _, ms in pts])
+
+    log("decode: sequence budget under TBT (binary search)")
+    decode_cache: dict[int, float] = {}
+
+    def decode(n: int) -> float:
+        if n not in decode_cache:
+            decode_cache[n] = prober.decode_ms(n)
+        return decode_cache[n]
+
+    for n in (1, 4):
+        decode(n)
+    d_budget = budgets.search_budget(decode, slo.tpot_ms, max_seqs)
+    pts = sorted(decode_cache.items())
+    fixed_d, per_seq = _fit([[1, n] for n, _ in pts], [ms for _, ms in pts])
+
+    log("encode: image budget under alpha x TTFT (binary search)")
+    tokens_per_image = base.image_tokens(image_size, image_size)
+    small = image_size // 2
+    encode_cache: dict[tuple[int, int], float] = {}
+
+    def images(n: int, size: int = image_size) -> float:
+        if (n, size) not in encode_cache:
+            encode_cache[(n, size)] = prober.images_ms(n, size)
+        return encode_cache[(n, size)]
+
+    def encode_only(n: int, size: int = image_size) -> float:
+        """Image requests minus the prefill of their prompts (the fitted prefill)."""
+        tokens = base.image_tokens(size, size) + base.template_tokens
+        return max(0.0, images(n, size) - (fixed_p + per_token * n * tokens))
+
+    images(1, small)
+    for n in (1, 2):
+        encode_only(n)
+    e_budget = budgets.search_budget(encode_only, limits["P"], max_images)
+    rows, ys = [], []
+    for (n, size) in encode_cache:
+        rows.append([1, n, n * base.image_tokens(size, size)])
+        ys.append(encode_only(n, size))
+    fixed_e, per_image, per_vtoken = _fit(rows, ys)
+
+    profile = base.model_copy(deep=True)
+    profile.llm = LLMCost(fixed_ms=float(fixed_d), per_prefill_token_ms=float(per_token),
+                          per_decode_seq_ms=float(per_seq),
+                          per_context_token_ms=base.llm.per_context_token_ms)
+    profile.encoder = EncoderCost(fixed_ms=float(fixed_e), per_image_ms=float(per_image),
+                                  per_token_ms=float(per_vtoken))
+    profile.transfers = base.transfers.model_copy(
+        update={"hop_ms": float(max(0.0, fixed_p - fixed_d))})
+    profile.measured = {
+        "slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms},
+        "budgets": {"E": {"images": e_budget, "visual_tokens_per_image": tokens_per_image},
+                    "P": {"tokens": p_budget}, "PD": {"tokens": pd_budget},
+                    "D": {"seqs": d_budget}},
+        "engine_flags": {
+            role: budgets.engine_flags(role, budgets.Budget(
+                images=e_budget if "E" in role else 0,
+                tokens={"P": p_budget, "EP": p_budget, "E": 0}.get(role, max(pd_budget, d_budget)),
+                seqs=d_budget if "D" in role else 0), tokens_per_image)
+            for role in ("E", "P", "D", "PD", "EPD")},
+        "points_ms": {
+            "prefill": [[n, round(ms, 2)] for n, ms in sorted(prefill_cache.items())],
+            "decode": [[n, round(ms, 2)] for n, ms in sorted(decode_cache.items())],
+            "images": [[n, size, round(ms, 2)] for (n, size), ms in sorted(encode_cache.items())],
+        },
+    }
+    return profile
+
+
+def text_tokens(model_dir: str, texts: list[str]) -> tuple[float, int]:
+    """(tokens per word, chat-template tokens) of a model's tokenizer, fitted over
+    prompts of the load tool's presets."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    words, tokens = [], []
+    for text in texts:
+        prompt = tok.apply_chat_template([{"role": "user", "content": text}],
+                                         add_generation_prompt=True, tokenize=False)
+        words.append(len(text.split()))
+        tokens.append(len(tok(prompt)["input_ids"]))
+    per_word, template = _fit([[w, 1] for w in words], tokens)
+    return float(per_word), int(round(template))
+
+
+def measure_handoffs(engine_profile: Profile, dep, slo: SLO, requests: int = 40,
+                     rate: float = 0.25, seed: int = 99, console=None) -> Profile:
+    """What a split deployment's hand-offs cost on this machine: a slow load run (requests
+    rarely overlap) through its proxy, the same requests simulated with free hand-offs.
+    Decode's extra time per token is its KV connector's cost per step; text requests'
+    extra TTFT is the P -> D cost, images' extra beyond that the E -> P cost. The costs
+    vary a lot from request to request on a shared CPU host, so the profile keeps their
+    distribution (21 quantiles) besides the median."""
+    from epd_serve.bench import arrivals, runner
+    from epd_serve.planner import simulator
+
+    console = console or _quiet()
+    spec = runner.LoadSpec(url=dep.proxy_url, model=dep.launches[0].served_model_name,
+                           workload="tiny-mm", num_requests=requests, output_tokens=16,
+                           slo=slo, seed=seed, num_devices=dep.plan.num_devices)
+    bodies = runner.Bodies(spec, console)
+    real = runner.run_once(spec, rate, bodies, "hand-offs", console)
+    offsets = arrivals.schedule(spec.process, len(bodies.specs), rate, seed=seed)
+    instances = simulator.instances_of(dep.plan)
+
+    def simulated(profile: Profile):
+        return simulator.simulate(instances, profile, bodies.specs, offsets, slo, rate)[0].records
+
+    free = engine_profile.model_copy(deep=True)
+    free.transfers = free.transfers.model_copy(update={
+        "kv_fixed_ms": 0.0, "feature_fixed_ms": 0.0, "kv_samples_ms": [], "feature_samples_ms": []})
+    pairs = [(r, s) for r, s in zip(real.records, simulated(free)) if r.ok]
+    step, kv = 0.0, []
+    if splits_prefill_decode(dep.plan):
+        step = max(0.0, float(np.median([r.tpot - s.tpot for r, s in pairs
+                                         if r.tpot is not None and s.tpot is not None])) * 1e3)
+        free.llm = free.llm.model_copy(update={"consumer_step_ms": step})
+        pairs = [(r, s) for r, s in zip(real.records, simulated(free)) if r.ok]
+        kv = [max(0.0, (r.ttft - s.ttft) * 1e3) for r, s in pairs if not r.multimodal]
+    kv_median = float(np.median(kv)) if kv else 0.0
+    feature = []
+    if _has_encoders(dep.plan):
+        feature = [max(0.0, (r.ttft - s.ttft) * 1e3 - kv_median) for r, s in pairs if r.multimodal]
+    out = engine_profile.model_copy(deep=True)
+    out.llm = out.llm.model_copy(update={"consumer_step_ms": step})
+    out.transfers = out.transfers.model_copy(update={
+        # On a CPU host the hand-offs' work competes for the cores the engines use: it
+        # holds up the receiving engine rather than only the request.
+        "blocking": engine_profile.sharing.scope == "host",
+        "kv_fixed_ms": kv_median, "kv_samples_ms": _quantiles(kv),
+        "feature_fixed_ms": float(np.median(feature)) if feature else 0.0,
+        "feature_samples_ms": _quantiles(feature)})
+    out.measured = {**(engine_profile.measured or {}), "handoffs": {
+        "deployment": dep.plan.to_notation(), "requests": requests, "rate": rate, "seed": seed,
+        "consumer_step_ms": round(step, 2), "kv_fixed_ms": round(kv_median, 2),
+        "feature_fixed_ms": round(out.transfers.feature_fixed_ms, 2)}}
+    return out
+
+
+def _quantiles(samples: list[float]) -> list[float]:
+    if not samples:
+        return []
+    return [round(float(q), 2) for q in np.percentile(samples, np.linspace(0, 100, 21))]
+
+
+def splits_prefill_decode(plan) -> bool:
+    return any("P" in i.roles and "D" not in i.roles for i in plan.instances)
+
+
+def _has_encoders(plan) -> bool:
+    return any(i.roles == "E" for i in plan.instances)
+
+
+def _quiet():
+    from rich.console import Console
+
+    return Console(stderr=True, quiet=True)

@@ -1,0 +1,57 @@
+"""`epd-serve profile`'s measurement against a real engine: the budget search brackets
+each limit with real probes, and the profile it writes drives the simulator."""
+
+import numpy as np
+
+from epd_serve.bench import arrivals, workloads
+from epd_serve.bench.metrics import SLO
+from epd_serve.planner import profile as profiles
+from epd_serve.planner import profiler, simulator
+
+
+def test_hand_offs_of_a_real_split_deployment(deployments):
+    # The deployment the MM Store tests left up: no restart.
+    dep = deployments.get("e-p-d.yaml", mm_store={"backend": "mooncake"})
+    engine = profiles.load("cpu-tiny-qwen2-vl")
+    slo = SLO(ttft_ms=2000, tpot_ms=200)
+    prof = profiler.measure_handoffs(engine, dep, slo, requests=10, rate=2.0)
+    t = prof.transfers
+    for samples in (t.kv_samples_ms, t.feature_samples_ms):
+        assert len(samples) == 21 and samples == sorted(samples) and samples[0] >= 0
+    assert t.kv_fixed_ms == prof.measured["handoffs"]["kv_fixed_ms"] or \
+        abs(t.kv_fixed_ms - prof.measured["handoffs"]["kv_fixed_ms"]) < 0.01
+    assert prof.llm.consumer_step_ms >= 0
+    assert prof.measured["handoffs"]["deployment"] == "E-P-D"
+
+
+def test_profile_a_real_engine(deployments, tmp_path):
+    dep = deployments.get("tp1.yaml")
+    (engine,) = dep.launches
+    prober = profiler.Prober(dep.proxy_url, engine.served_model_name, repeats=1, log=print)
+    # A TTFT SLO tight enough that the prefill limit (alpha x 80 ms) falls inside the
+    # probed range on this machine's tiny model.
+    slo = SLO(ttft_ms=80, tpot_ms=50)
+    prof = profiler.measure(prober, profiles.load("cpu-tiny-qwen2-vl"), slo,
+                            max_tokens=4096, max_images=4, max_seqs=8)
+    points = dict(map(tuple, prof.measured["points_ms"]["prefill"]))
+    budget = prof.measured["budgets"]["P"]["tokens"]
+    limit = 0.5 * slo.ttft_ms
+    # Binary search on real probes: the budget's own probe met the limit, and unless the
+    # whole range did, a larger probe missed it.
+    assert points[budget] <= limit or budget == 1
+    if budget < 4096:
+        assert any(n > budget and ms > limit for n, ms in points.items())
+    assert points[4096] > points[16]  # more tokens cost more on a real engine
+    assert prof.llm.per_prefill_token_ms > 0 and prof.transfers.hop_ms > 0
+    assert 1 <= prof.measured["budgets"]["D"]["seqs"] <= 8
+    assert 1 <= prof.measured["budgets"]["E"]["images"] <= 4
+    images = prof.measured["points_ms"]["images"]
+    assert {size for _, size, _ in images} == {224, 448}
+
+    path = profiles.save(prof, tmp_path / "measured.yaml")
+    again = profiles.load(path)
+    specs = workloads.load_workload("tiny-mm", 20, 8)
+    run, _ = simulator.simulate(simulator.instances_of(dep.plan), again, specs,
+                                arrivals.poisson(20, 1.0), slo, 1.0)
+    assert run.summary["success_requests"] == 20
+    assert np.isfinite(run.summary["ttft_ms"]["median"])
