@@ -10,7 +10,7 @@ from epd_serve import topology
 from epd_serve.bench import arrivals, workloads
 from epd_serve.bench.metrics import SLO
 from epd_serve.bench.workloads import ImageRef, RequestSpec
-from epd_serve.planner import planner
+from epd_serve.planner import planner, simulator
 
 from .conftest import make_profile
 
@@ -103,8 +103,9 @@ def test_goodput_is_the_highest_rate_meeting_the_slo(profile):
     rate = planner.trace_rate(offsets)
 
     def attainment(r):
-        return planner.evaluate(cand, profile, specs, offsets * (rate / r), SLO_,
-                                search_goodput=False).at_rate.summary["slo_attainment"]
+        run_specs, run_offsets = planner._replay(specs, offsets, rate, r)
+        run, _ = simulator.simulate(list(cand.instances), profile, run_specs, run_offsets, SLO_, r)
+        return run.summary["slo_attainment"]
     assert attainment(ev.goodput) >= 0.9
     assert attainment(ev.goodput * 1.1) < 0.9
 
@@ -166,3 +167,17 @@ def test_a_request_trace_is_a_workload_the_load_tool_replays(tmp_path):
     bad.write_text('{"timestamp": 0, "images": [[1]]}\n')
     with pytest.raises(ValueError, match="bad.jsonl:1: not a trace row"):
         workloads.load_workload(str(bad), 1, None)
+
+
+def test_a_trace_replayed_faster_lasts_as_long_as_recorded():
+    specs, offsets = _trace(n=50, rate=5.0)
+    rate = planner.trace_rate(offsets)
+    same_specs, same = planner._replay(specs, offsets, rate, rate)
+    assert same_specs == specs and np.allclose(same, offsets)
+    fast_specs, fast = planner._replay(specs, offsets, rate, 4 * rate)
+    assert len(fast_specs) == len(fast) == 200
+    assert sorted({s.index for s in fast_specs}) == list(range(200))
+    assert np.all(np.diff(fast) > 0)
+    assert fast[-1] == pytest.approx(offsets[-1], rel=0.05)
+    capped_specs, _ = planner._replay(specs, offsets, rate, 100 * rate)
+    assert len(capped_specs) == planner.MAX_REPEATS * 50
