@@ -129,7 +129,8 @@ def cmd_profile(args) -> int:
         else:
             from rich.console import Console
 
-            prof = profiler.measure_handoffs(base, dep, slo, console=Console(stderr=True))
+            prof = profiler.measure_handoffs(base, dep, slo, args.handoff_requests,
+                                             runs=args.handoff_runs, console=Console(stderr=True))
             what = f"hand-offs of {dep.plan.to_notation()} (engine costs from {args.base})"
     finally:
         launcher.stop()
@@ -182,6 +183,11 @@ def add_planner_parsers(sub) -> None:
     p.add_argument("--slo-tpot-ms", type=float, default=200.0)
     p.add_argument("--repeats", type=int, default=3, help="samples per probe (median)")
     p.add_argument("--max-tokens", type=int, default=2048, help="largest prefill probe")
+    p.add_argument("--handoff-requests", type=int, default=40,
+                   help="requests per hand-off run (split deployments)")
+    p.add_argument("--handoff-runs", type=int, default=3,
+                   help="hand-off runs to pool, each with its own requests: on a shared host "
+                        "one run's median can sit in either mode of the stalls")
     p.add_argument("--out", default="results/profile.yaml")
     p.set_defaults(func=_check_profile_args(cmd_profile))
 

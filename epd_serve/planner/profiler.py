@@ -265,38 +265,47 @@ def text_tokens(model_dir: str, texts: list[str]) -> tuple[float, int]:
 
 
 def measure_handoffs(engine_profile: Profile, dep, slo: SLO, requests: int = 40,
-                     rate: float = 0.25, seed: int = 99, console=None) -> Profile:
-    """What a split deployment's hand-offs cost on this machine: a slow load run (requests
+                     rate: float = 0.25, seed: int = 99, runs: int = 1,
+                     console=None) -> Profile:
+    """What a split deployment's hand-offs cost on this machine: slow load runs (requests
     rarely overlap) through its proxy, the same requests simulated with free hand-offs.
     Decode's extra time per token is its KV connector's cost per step; text requests'
     extra TTFT is the P -> D cost, images' extra beyond that the E -> P cost. The costs
-    vary a lot from request to request on a shared CPU host, so the profile keeps their
-    distribution (21 quantiles) besides the median."""
+    vary a lot from request to request and from minute to minute on a shared CPU host,
+    so the profile keeps their distribution (21 quantiles) besides the median, pooled
+    over `runs` runs with their own seeds."""
     from epd_serve.bench import arrivals, runner
     from epd_serve.planner import simulator
 
     console = console or _quiet()
-    spec = runner.LoadSpec(url=dep.proxy_url, model=dep.launches[0].served_model_name,
-                           workload="tiny-mm", num_requests=requests, output_tokens=16,
-                           slo=slo, seed=seed, num_devices=dep.plan.num_devices)
-    bodies = runner.Bodies(spec, console)
-    real = runner.run_once(spec, rate, bodies, "hand-offs", console)
-    offsets = arrivals.schedule(spec.process, len(bodies.specs), rate, seed=seed)
     instances = simulator.instances_of(dep.plan)
+    measured = []  # (real records, requests, offsets) per run
+    for k in range(runs):
+        spec = runner.LoadSpec(url=dep.proxy_url, model=dep.launches[0].served_model_name,
+                               workload="tiny-mm", num_requests=requests, output_tokens=16,
+                               slo=slo, seed=seed + k, num_devices=dep.plan.num_devices)
+        bodies = runner.Bodies(spec, console)
+        real = runner.run_once(spec, rate, bodies, f"hand-offs {k + 1}/{runs}", console)
+        offsets = arrivals.schedule(spec.process, len(bodies.specs), rate, seed=spec.seed)
+        measured.append((real.records, bodies.specs, offsets))
 
-    def simulated(profile: Profile):
-        return simulator.simulate(instances, profile, bodies.specs, offsets, slo, rate)[0].records
+    def paired(profile: Profile):
+        out = []
+        for records, specs, offsets in measured:
+            sim = simulator.simulate(instances, profile, specs, offsets, slo, rate)[0].records
+            out += [(r, s) for r, s in zip(records, sim) if r.ok]
+        return out
 
     free = engine_profile.model_copy(deep=True)
     free.transfers = free.transfers.model_copy(update={
         "kv_fixed_ms": 0.0, "feature_fixed_ms": 0.0, "kv_samples_ms": [], "feature_samples_ms": []})
-    pairs = [(r, s) for r, s in zip(real.records, simulated(free)) if r.ok]
+    pairs = paired(free)
     step, kv = 0.0, []
     if splits_prefill_decode(dep.plan):
         step = max(0.0, float(np.median([r.tpot - s.tpot for r, s in pairs
                                          if r.tpot is not None and s.tpot is not None])) * 1e3)
         free.llm = free.llm.model_copy(update={"consumer_step_ms": step})
-        pairs = [(r, s) for r, s in zip(real.records, simulated(free)) if r.ok]
+        pairs = paired(free)
         kv = [max(0.0, (r.ttft - s.ttft) * 1e3) for r, s in pairs if not r.multimodal]
     kv_median = float(np.median(kv)) if kv else 0.0
     feature = []
@@ -312,7 +321,8 @@ def measure_handoffs(engine_profile: Profile, dep, slo: SLO, requests: int = 40,
         "feature_fixed_ms": float(np.median(feature)) if feature else 0.0,
         "feature_samples_ms": _quantiles(feature)})
     out.measured = {**(engine_profile.measured or {}), "handoffs": {
-        "deployment": dep.plan.to_notation(), "requests": requests, "rate": rate, "seed": seed,
+        "deployment": dep.plan.to_notation(), "requests": requests, "runs": runs,
+        "rate": rate, "seed": seed,
         "consumer_step_ms": round(step, 2), "kv_fixed_ms": round(kv_median, 2),
         "feature_fixed_ms": round(out.transfers.feature_fixed_ms, 2)}}
     return out

@@ -2,6 +2,7 @@
 each limit with real probes, and the profile it writes drives the simulator."""
 
 import numpy as np
+import pytest
 
 from epd_serve.bench import arrivals, workloads
 from epd_serve.bench.metrics import SLO
@@ -14,14 +15,15 @@ def test_hand_offs_of_a_real_split_deployment(deployments):
     dep = deployments.get("e-p-d.yaml", mm_store={"backend": "mooncake"})
     engine = profiles.load("cpu-tiny-qwen2-vl")
     slo = SLO(ttft_ms=2000, tpot_ms=200)
-    prof = profiler.measure_handoffs(engine, dep, slo, requests=10, rate=2.0)
+    prof = profiler.measure_handoffs(engine, dep, slo, requests=6, rate=2.0, runs=2)
     t = prof.transfers
     for samples in (t.kv_samples_ms, t.feature_samples_ms):
         assert len(samples) == 21 and samples == sorted(samples) and samples[0] >= 0
-    assert t.kv_fixed_ms == prof.measured["handoffs"]["kv_fixed_ms"] or \
-        abs(t.kv_fixed_ms - prof.measured["handoffs"]["kv_fixed_ms"]) < 0.01
+    assert t.kv_fixed_ms == pytest.approx(prof.measured["handoffs"]["kv_fixed_ms"], abs=0.01)
+    assert t.blocking  # a CPU host: hand-offs compete with the engines for the cores
     assert prof.llm.consumer_step_ms >= 0
     assert prof.measured["handoffs"]["deployment"] == "E-P-D"
+    assert prof.measured["handoffs"]["runs"] == 2
 
 
 def test_profile_a_real_engine(deployments, tmp_path):
