@@ -105,18 +105,23 @@ PRESETS: dict[str, SyntheticWorkload] = {
 }
 
 
+def _jsonl_rows(path: Path) -> Iterator[tuple[int, dict]]:
+    """(line number, object) per non-blank line of a JSONL file."""
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            yield lineno, json.loads(line)
+        except ValueError as err:
+            raise ValueError(f"{path}:{lineno}: not JSON ({err})") from None
+
+
 def aisbench_jsonl(path: str | Path, output_tokens: int) -> list[RequestSpec]:
     """AISBench's multimodal custom dataset: one JSON object per line,
     {"type": "image", "path": [...], "question": ..., "answer": ...}."""
     path = Path(path)
     out = []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError as err:
-            raise ValueError(f"{path}:{lineno}: not JSON ({err})") from None
+    for lineno, row in _jsonl_rows(path):
         paths = row.get("path") or []
         if isinstance(paths, str):
             paths = [paths]
@@ -138,11 +143,8 @@ def request_trace(path: str | Path, output_tokens: int | None) -> list[RequestSp
     "output_tokens": n}. Images are generated at the recorded sizes."""
     path = Path(path)
     out = []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
+    for lineno, row in _jsonl_rows(path):
         try:
-            row = json.loads(line)
             text = row.get("text") or " ".join(
                 _WORDS[(lineno + k) % len(_WORDS)] for k in range(int(row.get("prompt_words", 8))))
             images = tuple(ImageRef(int(w), int(h), seed=lineno * 101 + j)

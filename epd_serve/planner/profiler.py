@@ -140,6 +140,21 @@ class Prober:
         return ms
 
 
+class _Probed:
+    """A probe that measures each argument once: the budget search and the fits both
+    read it, and `points` keeps every measurement for the fit and the profile."""
+
+    def __init__(self, probe):
+        self.probe = probe
+        self.points: dict = {}
+
+    def __call__(self, *args):
+        key = args[0] if len(args) == 1 else args
+        if key not in self.points:
+            self.points[key] = self.probe(*args)
+        return self.points[key]
+
+
 def _fit(xs: list[list[float]], ys: list[float]) -> np.ndarray:
     """Least squares on relative error (a 20 ms probe counts as much as a 600 ms one),
     coefficients kept non-negative (a cost never shrinks with load): a coefficient that
@@ -166,13 +181,8 @@ def measure(prober: Prober, base: Profile, slo: SLO, max_tokens: int = 2048,
     and P -> D hand-offs stay as in `base` (see measure_handoffs)."""
     log = prober.log
     log("prefill: token budget under alpha x TTFT and under TBT (binary search)")
-    prefill_cache: dict[int, float] = {}
-
-    def prefill(n: int) -> float:
-        if n not in prefill_cache:
-            prefill_cache[n] = prober.prefill_ms(n)
-        return prefill_cache[n]
-
+    prefill = _Probed(prober.prefill_ms)
+    prefill_cache = prefill.points
     for n in (16, 128, 512):
         prefill(n)
     limits = {roles: budgets.latency_limit_ms(roles, slo, base.alpha) for roles in ("P", "PD")}
@@ -182,13 +192,8 @@ def measure(prober: Prober, base: Profile, slo: SLO, max_tokens: int = 2048,
     fixed_p, per_token = _fit([[1, n] for n, _ in pts], [ms for _, ms in pts])
 
     log("decode: sequence budget under TBT (binary search)")
-    decode_cache: dict[int, float] = {}
-
-    def decode(n: int) -> float:
-        if n not in decode_cache:
-            decode_cache[n] = prober.decode_ms(n)
-        return decode_cache[n]
-
+    decode = _Probed(prober.decode_ms)
+    decode_cache = decode.points
     for n in (1, 4):
         decode(n)
     d_budget = budgets.search_budget(decode, slo.tpot_ms, max_seqs)
@@ -198,12 +203,11 @@ def measure(prober: Prober, base: Profile, slo: SLO, max_tokens: int = 2048,
     log("encode: image budget under alpha x TTFT (binary search)")
     tokens_per_image = base.image_tokens(image_size, image_size)
     small = image_size // 2
-    encode_cache: dict[tuple[int, int], float] = {}
+    probed_images = _Probed(prober.images_ms)
+    encode_cache = probed_images.points
 
     def images(n: int, size: int = image_size) -> float:
-        if (n, size) not in encode_cache:
-            encode_cache[(n, size)] = prober.images_ms(n, size)
-        return encode_cache[(n, size)]
+        return probed_images(n, size)
 
     def encode_only(n: int, size: int = image_size) -> float:
         """Image requests minus the prefill of their prompts (the fitted prefill)."""
