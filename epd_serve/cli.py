@@ -1,5 +1,5 @@
 """The `epd-serve` command line: topology, model, up, down, launch, check-flags, status,
-demo, bench.
+doctor, demo, bench.
 
 Runs in the user's shell. Heavy imports (torch, transformers, matplotlib) happen inside
 the subcommand that needs them, so `epd-serve --help` and `topology` stay instant.
@@ -131,6 +131,7 @@ def cmd_launch(args) -> int:
 DEFAULT_PROXY_URL = "http://127.0.0.1:8000"
 STATUS_TIMEOUT_S = 3.0  # a proxy that takes longer is as good as down to someone watching
 PIPED_WIDTH = 200
+DOCTOR_PIPED_WIDTH = 120
 
 
 class ProxyUnreachable(Exception):
@@ -248,6 +249,25 @@ def cmd_check_flags(args) -> int:
     return 0 if all(r.ok for r in reports) else 1
 
 
+def cmd_doctor(args) -> int:
+    from rich.console import Console
+
+    from epd_serve import doctor
+
+    config = args.config
+    if config is None and Path(doctor.DEFAULT_CONFIG).is_file():
+        config = doctor.DEFAULT_CONFIG
+    if args.json:
+        rows = doctor.collect(config)
+        print(doctor.to_json(rows, config))
+        return 1 if doctor.has_error(rows) else 0
+    console = Console()
+    if not console.is_terminal:
+        # Piped into a log or a note: its cells wrap, so a readable width will do.
+        console = Console(width=DOCTOR_PIPED_WIDTH)
+    return 0 if doctor.run_doctor(config, console) else 1
+
+
 def cmd_demo(args) -> int:
     from epd_serve.demo import run_demo
 
@@ -313,6 +333,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="refresh every SECONDS until Ctrl-C")
     p.add_argument("--json", action="store_true", help="print the proxy's raw JSON")
     p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("doctor", help="check this machine (and a deployment file) for what "
+                       "would stop a deployment, with the fix for each problem")
+    p.add_argument("config", nargs="?",
+                   help="deployment file (default: configs/cpu/e-p-d.yaml where it exists; "
+                   "without one only the machine is checked)")
+    p.add_argument("--json", action="store_true", help="machine-readable report")
+    p.set_defaults(func=cmd_doctor)
 
     p = sub.add_parser("demo", help="bring up E-P-D on the CPU, show each stage, run a short load")
     p.add_argument("--config", default="configs/cpu/e-p-d.yaml")

