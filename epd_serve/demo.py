@@ -1,8 +1,10 @@
 """`epd-serve demo`: the main job on a fresh machine.
 
-Brings up a CPU deployment (E-P-D by default), sends text and image requests through
-the proxy and prints, per request, what every instance's own counters say it did;
-then runs a short load and writes its report; then shuts everything down.
+Checks the machine first (`epd-serve doctor`), then brings up a CPU deployment (E-P-D
+by default), sends text and image requests through the proxy and prints, per request,
+what every instance's own counters say it did; then runs a short load and writes its
+report; then shuts everything down. A request that fails is explained (which
+instance, its log) and the demo exits 1.
 """
 
 from __future__ import annotations
@@ -12,14 +14,20 @@ from pathlib import Path
 
 import httpx
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
+from epd_serve.doctor import run_doctor
 from epd_serve.instance_metrics import Counters, snapshot
 from epd_serve.payloads import chat_body, image_data_url, make_image
+from epd_serve.progress import explain_failure, instance_status
+from epd_serve.proxy.upstream import error_message
 
 
-def describe(delta: Counters) -> str:
-    """Human summary of what one instance did for one request."""
+def describe(delta: Counters | str) -> str:
+    """Human summary of what one instance did for one request (or why nobody knows)."""
+    if isinstance(delta, str):
+        return f"[red]{delta}"
     parts = []
     if delta.ec_saved:
         parts.append(f"encoded {delta.ec_saved} image(s)")
@@ -37,20 +45,40 @@ def describe(delta: Counters) -> str:
     return ", ".join(parts) or "-"
 
 
+def read_counters(client: httpx.Client, dep) -> dict[str, Counters | str]:
+    """Each instance's counters, or why they could not be read (it is down or restarting)."""
+    counters: dict[str, Counters | str] = {}
+    for launch in dep.launches:
+        try:
+            counters[launch.name] = snapshot(launch.url, dep.work_dir / "logs" /
+                                             f"{launch.name}.log", client)
+        except httpx.HTTPError as err:
+            counters[launch.name] = f"down or restarting ({type(err).__name__})"
+    return counters
+
+
 def traced_request(client: httpx.Client, dep, body: dict, path: str = "/v1/chat/completions",
-                   ) -> tuple[httpx.Response, float, dict]:
-    """Send one request through the proxy; return it, its latency and per-instance deltas."""
-    logs = {launch.name: dep.work_dir / "logs" / f"{launch.name}.log" for launch in dep.launches}
-    before = {l.name: snapshot(l.url, logs[l.name], client) for l in dep.launches}
+                   ) -> tuple[httpx.Response, float, dict[str, Counters | str]]:
+    """Send one request through the proxy; return it, its latency and per-instance deltas
+    (an instance that could not be read before or after gives why, not a delta)."""
+    before = read_counters(client, dep)
     start = time.perf_counter()
     resp = client.post(dep.proxy_url + path, json=body)
     latency = (time.perf_counter() - start) * 1e3
     time.sleep(0.3)  # counters are published by the engine a moment after the reply
-    after = {l.name: snapshot(l.url, logs[l.name], client) for l in dep.launches}
-    return resp, latency, {name: after[name] - before[name] for name in after}
+    after = read_counters(client, dep)
+    return resp, latency, {name: _delta(after[name], before[name]) for name in after}
 
 
-def show_requests(dep, console: Console) -> None:
+def _delta(after: Counters | str, before: Counters | str) -> Counters | str:
+    if isinstance(after, str):
+        return after
+    return before if isinstance(before, str) else after - before
+
+
+def show_requests(dep, console: Console) -> list[str]:
+    """Send the demo's requests and show what each instance did; returns what failed
+    (each failure explained, with the logs of the instances it involved)."""
     model = dep.launches[0].served_model_name
     requests = [
         ("text", chat_body(model, "What is disaggregated serving?", max_tokens=16)),
@@ -64,41 +92,72 @@ def show_requests(dep, console: Console) -> None:
                         "what each instance's own counters and log say it did")
     for column in ("request", "status", "latency", "instance", "did"):
         table.add_column(column)
+    failures = []
     with httpx.Client(timeout=300.0) as client:
         for kind, body in requests:
-            resp, latency, deltas = traced_request(client, dep, body)
+            status_before = instance_status(client, dep.proxy_url)
+            try:
+                resp, latency, deltas = traced_request(client, dep, body)
+            except httpx.HTTPError as err:  # the proxy itself did not answer
+                failures.append(explain_failure(dep, f"{kind} request", f"{type(err).__name__}: "
+                                                f"{err}", status_before, {}))
+                table.add_row(kind, "[red]no answer", "-", "proxy", f"[red]{type(err).__name__}",
+                              end_section=True)
+                continue
+            status = str(resp.status_code) if resp.status_code == 200 \
+                else f"[red]{resp.status_code}"
             for i, launch in enumerate(dep.launches):
                 first = i == 0
                 table.add_row(
                     kind if first else "",
-                    str(resp.status_code) if first else "",
+                    status if first else "",
                     f"{latency:.0f} ms" if first else "",
                     f"{launch.name} [{launch.instance.roles}]",
                     describe(deltas[launch.name]),
                     end_section=i == len(dep.launches) - 1,
                 )
-            console.print(f"{kind}: proxy stages {resp.headers.get('x-epd-stages', '-')}")
+            if resp.status_code == 200:
+                console.print(f"{kind}: proxy stages {resp.headers.get('x-epd-stages', '-')}")
+            else:
+                failures.append(explain_failure(
+                    dep, f"{kind} request", f"HTTP {resp.status_code}: "
+                    f"{error_message(resp.text)}", status_before,
+                    instance_status(client, dep.proxy_url)))
     console.print(table)
+    return failures
 
 
 def run_demo(config_path: str, load_requests: int, out_dir: str) -> int:
     from epd_serve import deploy
 
     console = Console()
+    if not run_doctor(config_path, console):
+        console.print("[bold red]the doctor found errors that would stop the deployment[/]; "
+                      "fix them first (each line says how)")
+        return 1
     dep = deploy.load(config_path)
     started = time.monotonic()
     launcher = deploy.bring_up(dep)
     console.print(f"[bold]{dep.config.name}[/] up and warmed in {time.monotonic() - started:.1f}s")
     try:
-        show_requests(dep, console)
+        failures = show_requests(dep, console)
+        if failures:
+            for failure in failures:
+                console.print(f"[red]{escape(failure)}")
+            console.print(f"[bold red]{len(failures)} of the demo's requests failed[/]; "
+                          "no load run")
+            return 1
         if load_requests > 0:
             from epd_serve.bench.runner import quick_report
 
-            report_dir = quick_report(dep, requests=load_requests, out_dir=Path(out_dir))
+            report_dir, failed = quick_report(dep, requests=load_requests, out_dir=Path(out_dir))
             console.print(f"load report: {report_dir}")
+            if failed:
+                console.print(f"[bold red]{failed} request(s) of the load run failed[/] "
+                              f"(their errors are in {report_dir})")
+                return 1
     finally:
         console.print("stopping the deployment ...")
         launcher.stop()
     console.print("done", style="green")
     return 0
-

@@ -1,18 +1,22 @@
-"""Start-up feedback for people: a live table of every process, and the warm-up.
+"""Start-up feedback for people: a live table of every process, and the warm-up that
+proves the deployment answers (or says which instance does not, with its log).
 
 Runs in the CLI process (rich + httpx).
 """
 
 from __future__ import annotations
 
-import sys
+import os
+import re
 
 import httpx
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from epd_serve.launcher import LaunchError, log_tail
 from epd_serve.payloads import chat_body, image_data_url, make_image
+from epd_serve.proxy.upstream import error_message
 
 
 class StartupProgress:
@@ -55,13 +59,59 @@ class StartupProgress:
 def warm_up(dep, timeout: float = 300.0) -> None:
     """One text and one image request through the proxy: the first request of an
     instance pays one-off costs (kernel set-up, the KV transfer handshake) that should
-    not land on a user's or a benchmark's first request."""
+    not land on a user's or a benchmark's first request. A deployment that cannot
+    answer them is not up: LaunchError, naming the instances that failed, with the
+    last lines of their logs."""
     model = dep.launches[0].served_model_name
     image = image_data_url(make_image(448, 448, seed=12345))
-    with httpx.Client(base_url=dep.proxy_url, timeout=timeout) as client:
-        for body in (chat_body(model, "warm up", max_tokens=2),
-                     chat_body(model, "warm up", [image], max_tokens=2)):
-            resp = client.post("/v1/chat/completions", json=body)
-            if resp.status_code != 200:
-                print(f"warm-up request failed: {resp.status_code} {resp.text[:200]}",
-                      file=sys.stderr)
+    key_env = dep.config.proxy.api_key_env
+    key = os.environ.get(key_env) if key_env else None
+    headers = {"authorization": f"Bearer {key}"} if key else None
+    with httpx.Client(base_url=dep.proxy_url, timeout=timeout, headers=headers) as client:
+        for kind, body in (("text", chat_body(model, "warm up", max_tokens=2)),
+                           ("image", chat_body(model, "warm up", [image], max_tokens=2))):
+            before = instance_status(client, dep.proxy_url)
+            try:
+                resp = client.post("/v1/chat/completions", json=body)
+            except httpx.HTTPError as err:
+                problem = f"{type(err).__name__}: {err}"
+            else:
+                if resp.status_code == 200:
+                    continue
+                problem = f"HTTP {resp.status_code}: {error_message(resp.text)}"
+            raise LaunchError(explain_failure(dep, f"{kind} warm-up request", problem,
+                                              before, instance_status(client, dep.proxy_url)))
+
+
+def instance_status(client: httpx.Client, proxy_url: str) -> dict[str, dict]:
+    """The proxy's view of each instance by name ({} when the proxy does not answer)."""
+    try:
+        return {row["name"]: row for row in client.get(proxy_url + "/status").json()["instances"]}
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return {}
+
+
+def explain_failure(dep, what: str, problem: str, before: dict[str, dict],
+                    after: dict[str, dict]) -> str:
+    """Why a request through the proxy failed: the instances it hurt (their failed hops
+    grew between the `before` and `after` /status, or they are down), else those the
+    error names, else the proxy; each with the last lines of its log."""
+    roles = {launch.name: launch.instance.roles for launch in dep.launches}
+    culprits = {}
+    for name, row in after.items():
+        failed = row.get("failures", 0) - before.get(name, {}).get("failures", 0)
+        if failed > 0 or not row.get("healthy", True):
+            state = "down" if not row.get("healthy", True) else f"{failed} failed hop(s)"
+            culprits[name] = f"{state}: {row.get('last_error') or 'no error recorded'}"
+    if not culprits:
+        culprits = {name: "named in the error" for name in roles
+                    if re.search(rf"\b{re.escape(name)}\b", problem)}
+    if not culprits:
+        culprits = {"proxy": "no instance was found at fault"}
+    lines = [f"the {what} through {dep.proxy_url} failed: {problem}"]
+    for name, why in culprits.items():
+        log = dep.work_dir / "logs" / f"{name}.log"
+        stage = f" [{roles[name]}]" if name in roles else ""
+        lines.append(f"{name}{stage}: {why}; last lines of {log}:")
+        lines.append(log_tail(log, 20) or "    (empty)")
+    return "\n".join(lines)

@@ -173,8 +173,9 @@ def compare_resolved(deps: list, spec: LoadSpec, rates: list[float],
     return results, goodputs
 
 
-def quick_report(dep, requests: int, out_dir: Path) -> Path:
-    """The demo's short load: two rates against a running deployment, full report."""
+def quick_report(dep, requests: int, out_dir: Path) -> tuple[Path, int]:
+    """The demo's short load: two rates against a running deployment, full report.
+    Returns the report's folder and how many requests failed."""
     from epd_serve.bench.report import write_report
 
     spec = LoadSpec(url=dep.proxy_url, model=dep.launches[0].served_model_name,
@@ -183,4 +184,5 @@ def quick_report(dep, requests: int, out_dir: Path) -> Path:
                     slo=SLO(ttft_ms=2000, tpot_ms=200))
     label = f"{dep.config.name} ({dep.plan.to_notation()})"
     results = sweep(spec, [0.25, 0.5], label)  # what two CPU cores serve without queueing
-    return write_report(results, out_dir, spec)
+    failed = sum(r.summary["total_requests"] - r.summary["success_requests"] for r in results)
+    return write_report(results, out_dir, spec), failed
