@@ -29,7 +29,7 @@ class EPDECConnector(ECConnectorBase):
         else:
             from epd_serve.connectors.epd_ec.worker import EPDECWorker
 
-            self.worker = EPDECWorker(vllm_config, settings, self.is_producer, self.is_consumer)
+            self.worker = EPDECWorker(settings, self.is_producer, self.is_consumer)
 
     # -- classmethods vLLM calls in the API server ----------------------------------
     @classmethod

@@ -22,6 +22,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     prefetch_budget_bytes: int = 1 << 30
     # How long a load waits for a prefetch already under way before reading itself.
     prefetch_wait_s: float = 10.0
+    # How long a load keeps asking a store that does not answer (it may be restarting)
+    # before the worker gives up on the feature, and with it on the engine.
+    load_timeout_s: float = 5.0
     # Mooncake backend: memory a producer lends to the pool (0: a holder process does).
     segment_bytes: int = 0
 

@@ -5,7 +5,7 @@ model runner returns no worker stats for EC connectors); the scheduler side merg
 that with its own counts and hands the lot to vLLM, whose API server turns it into:
 - `epd_ec_features_total{event}`: saved, loaded, prefetched (ready before needed),
   prefetch_late (the load waited for it), on_demand (no hint, read at load time),
-  load_failed, encoded_locally (a consumer recomputed a missing feature), unavailable
+  encoded_locally (a consumer recomputed a missing feature), unavailable
   (missing and no image to recompute from: the request failed for the proxy to retry)
 - `epd_ec_bytes_total{direction}`, `epd_ec_store_seconds{op}` (put and get latency)
 - `epd_ec_prefetch_overlap` (share of a prefetch hidden before the feature was needed)
@@ -24,8 +24,8 @@ from vllm.distributed.ec_transfer.ec_connector.metrics import (
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-EVENTS = ("saved", "loaded", "prefetched", "prefetch_late", "on_demand", "load_failed",
-          "encoded_locally", "unavailable")
+EVENTS = ("saved", "loaded", "prefetched", "prefetch_late", "on_demand", "encoded_locally",
+          "unavailable")
 SERIES = ("put_bytes", "put_s", "get_bytes", "get_s", "overlap")
 
 

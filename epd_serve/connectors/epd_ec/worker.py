@@ -5,6 +5,15 @@ its shape, dtype and placeholder metadata; the put is done before the step ends,
 the feature is in the store by the time the encoder's answer reaches the proxy.
 Consumer: `start_load_caches` puts each feature the scheduler pinned into vLLM's
 encoder cache, taking it from the prefetch listener when a hint brought it early.
+
+A pinned feature that cannot be loaded stops the engine (`FeatureUnavailable`) rather
+than computing the step without it. vLLM 0.32 gives an EC connector no way to take one
+request out of a step that is about to run, and whatever stood in for the feature would
+stay in vLLM's encoder cache under the image's hash, where later requests for the same
+image would find it: either way a wrong answer nobody is told about. A stopped engine
+fails its requests with an error (the proxy retries them elsewhere) and the launcher
+restarts it. The scheduler only promises a feature the store holds pinned, so this
+takes a store that stopped answering for `load_timeout_s`, or one that lost a pin.
 """
 
 from __future__ import annotations
@@ -24,6 +33,10 @@ from epd_serve.mmstore import FeatureMeta, FeatureStore, StoreError, open_store
 log = logging.getLogger("vllm.epd_serve.ec")
 
 
+class FeatureUnavailable(RuntimeError):
+    """A feature the scheduler promised could not be loaded: the engine must stop."""
+
+
 def _tp_rank() -> int:
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -34,7 +47,7 @@ def _tp_rank() -> int:
 
 
 class EPDECWorker:
-    def __init__(self, vllm_config, settings: Settings, producer: bool, consumer: bool):
+    def __init__(self, settings: Settings, producer: bool, consumer: bool):
         from vllm.platforms import current_platform
 
         self.settings = settings
@@ -43,9 +56,6 @@ class EPDECWorker:
         self.device = current_platform.device_type
         if current_platform.is_cuda_alike():
             self.device = f"{self.device}:{current_platform.current_device()}"
-        model = vllm_config.model_config
-        self.hidden_size = model.get_inputs_embeds_size()
-        self.dtype = model.dtype
         self.store: FeatureStore = open_store(
             settings.store, segment_bytes=settings.segment_bytes if producer else 0,
             local_host=settings.host)
@@ -114,20 +124,14 @@ class EPDECWorker:
                 overlap = 1.0 - exposed / busy if busy > 0 else 1.0
         if found is None:
             source = "on_demand"
-            try:
-                found = self.store.get(key)
-            except StoreError as err:
-                log.warning("epd-ec MM Store unreachable: %s", err)
+            found = self._read_store(key)
         seconds = time.perf_counter() - start
         if found is None:
-            # The scheduler pinned it, so only a store failure gets here. The step must
-            # still run: zeros keep the batch going, and the failure is counted and
-            # logged loudly (the request's answer is not to be trusted).
-            log.error("epd-ec could not load pinned feature %s; using zeros", key)
-            self.recorder.count("load_failed")
-            return torch.zeros(num_embeds, self.hidden_size, dtype=self.dtype,
-                               device=self.device)
+            self._give_up(key, "the MM Store no longer holds it, although it was pinned")
         data, meta = found
+        if not meta.shape or meta.shape[0] != num_embeds:  # another feature under this key
+            self._give_up(key, f"the stored feature has shape {meta.shape}, the request "
+                               f"needs {num_embeds} embeddings")
         self.recorder.count("loaded")
         self.recorder.count(source)
         self.recorder.get(data.nbytes, seconds, overlap)
@@ -138,6 +142,30 @@ class EPDECWorker:
         log.info("epd-ec loaded mm_hash=%s bytes=%d source=%s wait_ms=%.2f%s", key,
                  data.nbytes, source, seconds * 1e3, timing)
         return to_tensor(data, meta, self.device)
+
+    def _read_store(self, key: str) -> tuple | None:
+        """The feature from the store (None: the store says it lacks it). A store that
+        does not answer is asked again, backing off, for `load_timeout_s`."""
+        deadline = time.monotonic() + self.settings.load_timeout_s
+        delay = 0.05
+        while True:
+            try:
+                return self.store.get(key)
+            except StoreError as err:
+                if time.monotonic() + delay > deadline:
+                    self._give_up(key, f"the MM Store did not answer for "
+                                       f"{self.settings.load_timeout_s:g}s: {err}")
+                log.warning("epd-ec MM Store unreachable while loading %s: %s; asking again",
+                            key, err)
+                time.sleep(delay)
+                delay = min(2 * delay, 1.0)
+
+    def _give_up(self, key: str, why: str):
+        message = (f"epd-ec could not load pinned feature {key}: {why}. Stopping this engine "
+                   "rather than computing requests without it (its requests fail with an "
+                   "error; the launcher restarts it)")
+        log.error(message)
+        raise FeatureUnavailable(message)
 
     def worker_meta(self) -> EPDECWorkerMeta | None:
         data = self.recorder.take()

@@ -4,10 +4,12 @@ later layers are still computing.
 Runs in a prefill engine's worker process, on four threads:
 - the model's thread calls `begin_step` (before the forward pass), `layer_saved`
   (after each attention layer wrote its KV) and `forward_done` (after the pass); it
-  only queues jobs and never waits on the network;
+  only queues jobs and never waits on the network (no thread holds the lock it takes
+  while talking to the transfer engine);
 - the submit thread waits until a job's layers are written on the device (an event on
   CUDA/NPU; CPU kernels are done when they return), then starts an asynchronous write
-  per job, or parks the job until decode's reservation has arrived;
+  per job, or parks the job until decode's reservation has arrived; a job that cannot
+  be written fails its transfer (decode recomputes), never settles it as done;
 - the completion thread polls the writes in flight (sleeping between looks, never
   spinning), tells decode what landed, and finally sends `Done` with the numbers;
 - the side-channel thread handles decode's messages and, every tick, the timeouts:
@@ -183,7 +185,7 @@ class Sender:
             for finished in plan.finished_sends:
                 self._finish(finished)
         for request_id in plan.preempted:
-            self._wait_preempted(request_id)
+            self._release_preempted(request_id)
 
     def layer_saved(self, layer: int, kv_layer) -> None:
         if not self._chunks:
@@ -261,23 +263,21 @@ class Sender:
             self._jobs.put(Job(chunk.transfer_id, first, last, first_block,
                                chunk.block_ids[first_block:end_block], event))
 
-    def _wait_preempted(self, request_id: str, timeout_s: float = 10.0) -> None:
-        """A preempted request's blocks are about to be reused: let its writes end
-        first. It will be prefilled (and sent) again from its first token."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            with self._lock:
-                busy = [o for o in self._transfers.values()
-                        if o.request_id == request_id and (o.in_flight or o.queued)]
-                for out in self._transfers.values():
-                    if out.request_id == request_id:
-                        out.backlog.clear()
-                        out.first_layer_at = None
-            if not busy:
-                return
-            time.sleep(0.001)
-        logger.warning("epd-kv: writes of preempted request %s still running after %.0fs",
-                       request_id, timeout_s)
+    def _release_preempted(self, request_id: str) -> None:
+        """A preempted request's blocks are about to be reused: the engine step must not
+        wait on the network for its writes, so a transfer with writes still running is
+        failed (decode recomputes, and waits out those writes before reusing its own
+        blocks: whatever they carry then is never read). One with nothing in flight
+        stays: the request will be prefilled (and sent) again from its first token."""
+        with self._lock:
+            for out in list(self._transfers.values()):
+                if out.request_id != request_id:
+                    continue
+                out.backlog.clear()
+                out.first_layer_at = None
+                if out.in_flight or out.queued:
+                    self._fail(out, "prefill was preempted while its writes were running")
+                    self._settle(out)
 
     # -- the submit thread --------------------------------------------------
     def _submit_loop(self) -> None:
@@ -285,50 +285,75 @@ class Sender:
             try:
                 if job.ready is not None:
                     job.ready.synchronize()
-                with self._lock:
-                    out = self._transfers.get(job.transfer_id)
-                    if out is None:
-                        continue
-                    out.queued -= 1
-                    if out.outcome is not None:
-                        self._settle(out)
-                        continue
-                    if out.reservation is None:
-                        out.backlog.append(job)
-                        continue
-                self._submit(out, job)
-            except Exception:
-                logger.exception("epd-kv: submitting a write failed")
+            except Exception as err:  # the device failed the kernels that wrote the KV
+                self._job_failed(job, f"waiting for layers {job.first_layer}-"
+                                      f"{job.last_layer} on the device failed: {err}")
+                continue
+            self._submit(job)
 
-    def _submit(self, out: Outgoing, job: Job) -> None:
-        res = out.reservation
-        pairs = [(src, res.block_ids[index - res.first_block])
-                 for index, src in enumerate(job.block_ids, start=job.first_block)
-                 if 0 <= index - res.first_block < len(res.block_ids)]
-        runs = block_runs([s for s, _ in pairs], [d for _, d in pairs])
-        srcs, dsts, lens = segments(self.layouts, res.layout,
-                                    range(job.first_layer, job.last_layer + 1), runs)
-        if out.fault == "fail_write":
-            dsts = [_UNREGISTERED_ADDRESS] * len(dsts)
-        nbytes = sum(lens)
-        now = time.perf_counter()
-        if not lens:  # decode had these blocks cached already
+    def _job_failed(self, job: Job, reason: str) -> None:
+        """A queued job that will never be written: its transfer fails (decode
+        recomputes the prompt) instead of settling as done with layers missing."""
+        logger.error("epd-kv: transfer %s: %s", job.transfer_id, reason)
+        with self._lock:
+            out = self._transfers.get(job.transfer_id)
+            if out is not None:
+                out.queued -= 1
+                self._fail(out, reason)
+                self._settle(out)
+
+    def _submit(self, job: Job) -> None:
+        """Start the job's write, or park it until decode's reservation arrives. The
+        network is never touched under the lock, which the model's thread takes."""
+        with self._lock:
+            out = self._transfers.get(job.transfer_id)
+            if out is None:
+                return
+            out.queued -= 1
+            if out.outcome is not None:
+                self._settle(out)
+                return
+            if out.reservation is None:
+                out.backlog.append(job)
+                return
+            # From here the job counts as in flight: the request's blocks stay pinned
+            # until its write has ended, whatever happens below.
+            out.in_flight += 1
+            res, fault = out.reservation, out.fault
+            pending = sum(f.nbytes for f in self._in_flight.values())
+        try:
+            pairs = [(src, res.block_ids[index - res.first_block])
+                     for index, src in enumerate(job.block_ids, start=job.first_block)
+                     if 0 <= index - res.first_block < len(res.block_ids)]
+            runs = block_runs([s for s, _ in pairs], [d for _, d in pairs])
+            srcs, dsts, lens = segments(self.layouts, res.layout,
+                                        range(job.first_layer, job.last_layer + 1), runs)
+            if fault == "fail_write":
+                dsts = [_UNREGISTERED_ADDRESS] * len(dsts)
+            write = self.link.submit(res.te_session, srcs, dsts, lens) if lens else None
+        except Exception as err:
+            if not isinstance(err, TransferError):
+                logger.exception("epd-kv: submitting a write of transfer %s failed",
+                                 job.transfer_id)
             with self._lock:
+                out.in_flight -= 1
+                self._fail(out, f"write of layers {job.first_layer}-{job.last_layer} "
+                                f"failed: {err}")
+                self._settle(out)
+            return
+        if write is None:  # decode had these blocks cached already
+            with self._lock:
+                out.in_flight -= 1
                 out.groups += 1
                 self._settle(out)
             return
+        nbytes = sum(lens)
+        now = time.perf_counter()
+        timeout = self.settings.transfer_timeout_s(self.link_cost.model.transfer_s(
+            pending + nbytes))
+        flight = InFlight(out.transfer_id, write, nbytes, job.first_layer, job.last_layer,
+                          now, now + timeout)
         with self._lock:
-            pending = nbytes + sum(f.nbytes for f in self._in_flight.values())
-            timeout = self.settings.transfer_timeout_s(self.link_cost.model.transfer_s(pending))
-            try:
-                write = self.link.submit(res.te_session, srcs, dsts, lens)
-            except TransferError as err:
-                self._fail(out, str(err))
-                self._settle(out)
-                return
-            out.in_flight += 1
-            flight = InFlight(out.transfer_id, write, nbytes, job.first_layer, job.last_layer,
-                              now, now + timeout)
             self._in_flight[id(write)] = flight
         self._writes.put(flight)
 
@@ -364,6 +389,10 @@ class Sender:
             error = None
         except TransferError as err:
             error = str(err)
+        except Exception as err:  # never let one odd answer end the completion thread
+            logger.exception("epd-kv: checking a write of transfer %s failed",
+                             flight.transfer_id)
+            error = f"{type(err).__name__}: {err}"
         with self._lock:
             self._in_flight.pop(id(flight.write), None)
             out = self._transfers.get(flight.transfer_id)

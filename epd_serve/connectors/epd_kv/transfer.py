@@ -19,6 +19,10 @@ import time
 from epd_serve.connectors.epd_kv.grouping import LinkModel
 
 POLL_S = 0.0002  # between looks at pending writes while waiting for one
+# Longest wait for the segments of a failed write to end. The engine gives up on a
+# transfer after its own 30 s; decode holds a failed transfer's blocks as long
+# (Settings.release_grace_s), so waiting longer would protect nothing.
+DRAIN_TIMEOUT_S = 30.0
 
 
 class TransferError(RuntimeError):
@@ -79,13 +83,17 @@ class Link:
             write.checked += 1
         return True
 
-    def _drain(self, write: Write) -> None:
+    def _drain(self, write: Write, timeout_s: float = DRAIN_TIMEOUT_S) -> None:
         """Wait for the rest of a failed write's segments (they may still be reading
-        our memory), ignoring how they end."""
+        our memory), ignoring how they end; at most `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
         for transfer in write.ids[write.checked:]:
             while self.engine.transfer_check_status(transfer) == 0:
+                if time.monotonic() > deadline:
+                    raise TransferError(f"{len(write.ids) - write.checked} segment(s) of a "
+                                        f"failed write still running after {timeout_s:.0f}s")
                 time.sleep(POLL_S)
-        write.checked = len(write.ids)
+            write.checked += 1
 
     def wait(self, write: Write) -> None:
         while not self.done(write):

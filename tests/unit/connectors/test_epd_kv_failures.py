@@ -1,0 +1,153 @@
+"""Failures inside the prefill sender end as a failed transfer (decode recomputes), and
+the model's thread never waits on the network: the same sender and receiver as
+test_epd_kv_transfer.py, with a transfer engine stand-in that breaks in new ways."""
+
+from __future__ import annotations
+
+import threading
+import types
+
+import pytest
+
+from epd_serve.connectors.epd_kv.messages import SendChunk
+from epd_serve.connectors.epd_kv.transfer import Link, TransferError, Write
+
+from .test_epd_kv_transfer import (  # noqa: F401  (make_pair is a fixture)
+    CPU_TENSOR,
+    LAYERS,
+    make_pair,
+    prefill,
+    recv_plan,
+    results,
+    wait_for,
+)
+
+# Far longer than any of these operations takes; reaching it means "blocked".
+BLOCKED_S = 10.0
+
+
+def in_thread(fn, *args) -> threading.Thread:
+    thread = threading.Thread(target=fn, args=args, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_an_error_while_submitting_fails_the_transfer_instead_of_settling_it(make_pair):
+    pair = make_pair()
+
+    def broken_submit(peer, srcs, dsts, lens):
+        raise RuntimeError("the transfer engine went away")
+
+    pair.link.submit = broken_submit
+    pair.receiver.reserve(recv_plan(pair))
+    wait_for(lambda: pair.sender._transfers.get("t1") and pair.sender._transfers["t1"].reservation)
+    prefill(pair)
+    got = results_or_failure(pair)
+    # Not one layer reached decode: it must hear "failed" (and recompute), never "done".
+    assert got["failed"] == {"d-req"}
+    assert "went away" in got["reports"]["d-req"]["reason"]
+    assert not pair.d_memory.any()
+
+
+def results_or_failure(pair):
+    """Like `results`, but also returns when the transfer failed."""
+    collected = {"finished": set(), "failed": set(), "reports": {}}
+
+    def poll():
+        finished, failed, reports = pair.receiver.take_results()
+        collected["finished"] |= finished
+        collected["failed"] |= failed
+        collected["reports"].update(reports)
+        return collected["finished"] or collected["failed"]
+
+    wait_for(poll)
+    return collected
+
+
+def test_the_models_thread_never_waits_for_a_submit_on_the_network(make_pair):
+    pair = make_pair()
+    entered, release = threading.Event(), threading.Event()
+    copy = pair.link.submit
+
+    def slow_submit(peer, srcs, dsts, lens):
+        entered.set()
+        release.wait(BLOCKED_S)  # a transfer engine that takes its time to accept
+        return copy(peer, srcs, dsts, lens)
+
+    pair.link.submit = slow_submit
+    pair.receiver.reserve(recv_plan(pair))
+    wait_for(lambda: pair.sender._transfers.get("t1") and pair.sender._transfers["t1"].reservation)
+    prefill(pair, mode="whole")
+    assert entered.wait(BLOCKED_S)
+    # The next step's hooks, while that submit is still inside the transfer engine.
+    chunk = SendChunk("p-req-2", "t2", [6, 7, 8], 0, 12, 12, "layer", None)
+    step = in_thread(lambda: (
+        pair.sender.begin_step(types.SimpleNamespace(sends=[chunk], finished_sends=[],
+                                                     preempted=[], num_tokens=12)),
+        [pair.sender.layer_saved(layer, CPU_TENSOR) for layer in range(LAYERS)],
+        pair.sender.forward_done()))
+    step.join(BLOCKED_S)
+    stalled = step.is_alive()
+    release.set()
+    assert not stalled, "the model's thread waited on the submit thread's network call"
+    assert results(pair)["reports"]["d-req"]["outcome"] == "done"
+
+
+def test_a_preempted_request_with_writes_running_fails_at_once(make_pair):
+    pair = make_pair()
+    pair.link.hold = threading.Event()  # its write stays in flight
+    pair.receiver.reserve(recv_plan(pair))
+    wait_for(lambda: pair.sender._transfers.get("t1") and pair.sender._transfers["t1"].reservation)
+    prefill(pair, mode="whole")
+    wait_for(lambda: pair.sender._transfers["t1"].in_flight)
+    step = in_thread(pair.sender.begin_step, types.SimpleNamespace(
+        sends=[], finished_sends=[], preempted=["p-req"], num_tokens=0))
+    step.join(BLOCKED_S)
+    stalled = step.is_alive()
+    pair.link.hold.set()
+    assert not stalled, "the engine step waited for the preempted request's writes"
+    got = results_or_failure(pair)
+    assert got["failed"] == {"d-req"} and "preempted" in got["reports"]["d-req"]["reason"]
+
+
+class Engine:
+    """A transfer engine stand-in: accepts `accepted` segments, refuses the rest; each
+    accepted one reports `status` (0: still running) when asked."""
+
+    def __init__(self, accepted: int, status: int):
+        self.accepted, self.status = accepted, status
+
+    def transfer_submit_write(self, peer, src, dst, length):
+        self.accepted -= 1
+        return 7 if self.accepted >= 0 else -1
+
+    def transfer_check_status(self, transfer):
+        return self.status
+
+
+def link_over(engine: Engine) -> Link:
+    link = Link.__new__(Link)  # the wrapper's own logic, without a real engine
+    link.engine = engine
+    return link
+
+
+def test_a_refused_segment_fails_the_write_once_the_accepted_ones_ended():
+    link = link_over(Engine(accepted=1, status=1))
+    with pytest.raises(TransferError, match="not accepted"):
+        link.submit("peer", [1, 2], [3, 4], [8, 8])
+
+
+def test_a_failed_write_waits_for_its_other_segments_only_so_long():
+    link = link_over(Engine(accepted=1, status=0))  # the accepted segment never ends
+    outcome = []
+
+    def drain():
+        try:
+            link._drain(Write([7]), timeout_s=0.2)
+        except TransferError as err:
+            outcome.append(str(err))
+
+    draining = in_thread(drain)
+    draining.join(BLOCKED_S)
+    assert not draining.is_alive(), "draining a stuck segment never gave up"
+    assert outcome and "still running" in outcome[0]
