@@ -67,14 +67,14 @@ class EPDECScheduler:
         decided = self._pins.setdefault(req_id, {})  # key -> pinned (True) or encoded here
         if not self.consumer:
             return True
-        for feature in request.mm_features:
+        for index, feature in enumerate(request.mm_features):
             position = feature.mm_position
             if position.offset + position.length <= num_computed_tokens:
                 continue  # its tokens are computed already (prefix cache, received KV)
             key = feature.identifier
             if key in decided:
                 continue
-            if self._pin(key):
+            if self._pin(key, request.get_num_encoder_embeds(index)):
                 decided[key] = True
             elif self._carries_media(feature):
                 log.info("epd-ec %s not in the MM Store: encoding it here (request %s)",
@@ -97,13 +97,22 @@ class EPDECScheduler:
             if pinned:
                 self._unpin(key)
 
-    def _pin(self, key: str) -> bool:
+    def _pin(self, key: str, num_embeds: int) -> bool:
+        """Hold `key` in the store for a request that needs `num_embeds` embeddings of it;
+        False when the store lacks it, or holds something else under that key (a
+        feature of another size would stop the worker that loads it)."""
         if self._pinned[key] == 0:
             try:
-                if self.store.pin(key) is None:
-                    return False
+                meta = self.store.pin(key)
             except StoreError as err:
                 log.warning("epd-ec MM Store unreachable: %s", err)
+                return False
+            if meta is None:
+                return False
+            if not meta.shape or meta.shape[0] != num_embeds:
+                log.warning("epd-ec %s in the MM Store has shape %s, the request needs %d "
+                            "embeddings: not using it", key, meta.shape, num_embeds)
+                self._store_unpin(key)
                 return False
         self._pinned[key] += 1
         return True
@@ -112,10 +121,13 @@ class EPDECScheduler:
         self._pinned[key] -= 1
         if self._pinned[key] <= 0:
             del self._pinned[key]
-            try:
-                self.store.unpin(key)
-            except StoreError:
-                pass  # the store's pins lapse by themselves
+            self._store_unpin(key)
+
+    def _store_unpin(self, key: str) -> None:
+        try:
+            self.store.unpin(key)
+        except StoreError:
+            pass  # the store's pins lapse by themselves
 
     def _carries_media(self, feature) -> bool:
         """True when the request holds what the encoder needs (pixels), not only the

@@ -16,6 +16,7 @@ from epd_serve.mmstore import FeatureMeta, StoreError, StoreSpec, open_store
 from epd_serve.mmstore.service import StartedStore
 
 from ...ports import free_port_block
+from .test_epd_ec import feature, request, scheduler
 
 EMBEDS, HIDDEN = 4, 8
 
@@ -89,6 +90,17 @@ def test_a_store_that_stays_away_stops_the_engine_with_the_reason(spec, worker):
     with pytest.raises(FeatureUnavailable, match="did not answer for 0.5s"):
         worker.start_load_caches(ECStep(loads={"away": EMBEDS}), cache)
     assert "away" not in cache
+
+
+def test_the_scheduler_does_not_promise_a_feature_of_the_wrong_size(spec):
+    put(spec, "other-size", rows=EMBEDS - 1)  # `feature()` needs 4 embeddings
+    sched = scheduler(spec)
+    with_pixels = request("r1", feature("other-size", pixels=True))
+    assert sched.ensure_cache_available(with_pixels, 0) is True
+    assert not sched.has_cache_item("other-size")  # the engine encodes it itself
+    reference_only = request("r2", feature("other-size"))
+    assert sched.ensure_cache_available(reference_only, 0) is False
+    assert sched.take_unavailable_requests() == {"r2"}  # failed for the proxy to resend
 
 
 def test_a_feature_of_the_wrong_size_is_not_used(spec, worker):
