@@ -37,6 +37,7 @@ def create_fake_app(name: str = "fake", ttft_ms: float = 0.0, itl_ms: float = 0.
     # Fail requests that carry image references (a prefill whose feature went missing).
     app.state.reject_references = False
     app.state.delay_s = 0.0  # extra time before answering (a slow engine)
+    app.state.hold = False  # answer nothing until a test sets it back (a busy engine)
     app.state.active = 0  # requests being answered, reported on /metrics like vLLM's
     app.state.reported_load = None  # (running, waiting, kv_usage) to report instead
     app.state.cancelled = []  # request ids whose client went away before the answer
@@ -74,13 +75,15 @@ def create_fake_app(name: str = "fake", ttft_ms: float = 0.0, itl_ms: float = 0.
             app.state.active -= 1
 
     async def wait_or_notice_disconnect(request: Request, seconds: float) -> bool:
-        """Sleep like an engine computing; True if the client left meanwhile."""
+        """Sleep like an engine computing (and while held); True if the client left
+        meanwhile."""
         deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline or app.state.hold:
             if await request.is_disconnected():
                 app.state.cancelled.append(request.headers.get("x-request-id"))
                 return True
-            await asyncio.sleep(min(0.01, max(0.0, deadline - time.monotonic())))
+            await asyncio.sleep(0.01 if app.state.hold
+                                else min(0.01, max(0.0, deadline - time.monotonic())))
         return False
 
     async def answer(request: Request, kind: str):
@@ -121,7 +124,7 @@ def create_fake_app(name: str = "fake", ttft_ms: float = 0.0, itl_ms: float = 0.
                 return {"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": None}
             return {"index": 0, "text": f"t{i} ", "finish_reason": None}
 
-        if app.state.delay_s and not body.get("stream"):
+        if (app.state.delay_s or app.state.hold) and not body.get("stream"):
             if await wait_or_notice_disconnect(request, app.state.delay_s):
                 return JSONResponse({"error": {"message": "client gone"}}, status_code=499)
         if body.get("stream"):
@@ -130,6 +133,8 @@ def create_fake_app(name: str = "fake", ttft_ms: float = 0.0, itl_ms: float = 0.
                     raise RuntimeError(f"{name} breaks its stream on purpose")
                 try:
                     await asyncio.sleep(ttft_ms / 1e3 + app.state.delay_s)
+                    while app.state.hold:
+                        await asyncio.sleep(0.01)
                 except asyncio.CancelledError:
                     app.state.cancelled.append(request_id)
                     raise

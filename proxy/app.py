@@ -3,8 +3,10 @@
 Runs in its own process (`python -m epd_serve.proxy --config proxy.json`, started by
 the launcher). `create_app(config)` builds everything; there are no module globals.
 aiohttp serves and sends (one library, little CPU per request) and msgspec parses;
-a request is checked by guards.py before any engine sees it, served by pipeline.py,
-and answered here: every failure becomes an OpenAI-style error with a status.
+a request is admitted within the proxy's limits (admission.py: 503 past them), checked
+by guards.py before any engine sees it, served by pipeline.py, and answered here: every
+failure becomes an OpenAI-style error with a status. The client's X-Request-Id is
+echoed; engines get an id of the proxy's own, unique per request (`request_ids_for`).
 """
 
 from __future__ import annotations
@@ -14,16 +16,17 @@ import contextlib
 import hmac
 import logging
 import os
-import re
-import time
 import itertools
+import re
 import secrets
+import time
 
 import aiohttp
 import msgspec
 from aiohttp import web
 from pydantic import ValidationError
 
+from epd_serve.proxy.admission import Admission
 from epd_serve.proxy.config import InstanceEntry, ProxyConfig
 from epd_serve.proxy.errors import ProxyError, bad_request
 from epd_serve.proxy.features import image_parts, image_url_of
@@ -32,7 +35,7 @@ from epd_serve.proxy.membership import Membership, load_roster
 from epd_serve.proxy.metrics import ProxyMetrics
 from epd_serve.proxy.pipeline import Pipeline, Request
 from epd_serve.proxy.remote_media import RemoteFetcher
-from epd_serve.proxy.routing import Router, eligible
+from epd_serve.proxy.routing import Router, computing_hop, down_hops, eligible, plan_stages
 from epd_serve.proxy.state import InstanceTable
 from epd_serve.proxy.trip import Trip
 from epd_serve.proxy.upstream import Upstream
@@ -67,6 +70,7 @@ class Proxy:
                              "in the proxy's environment")
         self.admin_key = os.environ.get(config.admin_key_env) if config.admin_key_env else None
         self.fetcher = RemoteFetcher(config.limits) if config.limits.allow_remote_urls else None
+        self.admission = Admission(config.limits, self.metrics)
         # Unique across restarts (a random prefix per process), cheap per request.
         boot = secrets.token_hex(6)
         self.request_ids = (f"epd-{boot}-{n}" for n in itertools.count())
@@ -74,9 +78,21 @@ class Proxy:
         self.pipeline: Pipeline | None = None
         self.membership: Membership | None = None
 
+    def request_ids_for(self, given: str) -> tuple[str, str]:
+        """(the id the client knows the request by, the id the engines get). Engines,
+        the KV hand-offs and their connectors key state by the second, so it is ours and
+        unique per request; a client's valid X-Request-Id leads it, so engine logs
+        still say whose request it was, and is what the answer and the log carry."""
+        own = next(self.request_ids)
+        if not REQUEST_ID.match(given):
+            return own, own
+        return given, f"{given}-{own}"
+
     async def start(self) -> None:
         # Drop idle connections before the instances do (uvicorn closes them after 5 s),
-        # so a request is rarely sent on a connection that is being closed.
+        # so a request is rarely sent on a connection that is being closed. No cap on
+        # connections here: admission.py caps the requests, and a per-connector cap would
+        # queue a hand-off's decode behind another request's prefill.
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0)
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10.0,
                                         sock_read=self.config.request_timeout_s)
@@ -155,6 +171,11 @@ def create_app(config: ProxyConfig) -> web.Application:
     app.cleanup_ctx.append(lifespan)
 
     async def generate(request: web.Request) -> web.StreamResponse:
+        # Admitted before the body is read: past the limits it is refused unread (503).
+        with proxy.admission.admit(request.content_length):
+            return await serve(request)
+
+    async def serve(request: web.Request) -> web.StreamResponse:
         arrived = time.perf_counter()
         raw = await request.read()
         try:
@@ -168,19 +189,17 @@ def create_app(config: ProxyConfig) -> web.Application:
                 raise bad_request("remote media URLs are off in this deployment",
                                   "remote_url_disabled")
             await proxy.fetcher.inline(remote)
-        given_id = request.headers.get("x-request-id", "")
+        client_id, engine_id = proxy.request_ids_for(request.headers.get("x-request-id", ""))
         req = Request(
-            path=request.path, body=body,
-            request_id=given_id if REQUEST_ID.match(given_id) else next(proxy.request_ids),
+            path=request.path, body=body, request_id=engine_id,
             image_pixels=_image_pixels(body, pixels_by_url), text_chars=_text_chars(body),
             fault=request.headers.get("x-epd-fault"))
         metrics = proxy.metrics
-        metrics.requests_in_flight.inc()
         trip: Trip | None = None
         status = 500
         try:
             trip, result = await proxy.pipeline.run(req)
-            headers = {STAGES_HEADER: trip.header(), "x-request-id": req.request_id}
+            headers = {STAGES_HEADER: trip.header(), "x-request-id": client_id}
             if not req.stream:
                 status = 200
                 _observe_transfer(metrics, trip)
@@ -198,11 +217,11 @@ def create_app(config: ProxyConfig) -> web.Application:
             status = 499  # the client went away: every hop was closed on the way out
             raise
         finally:
-            metrics.requests_in_flight.dec()
             modality = "multimodal" if trip and trip.multimodal else "text"
             metrics.requests.labels(modality, str(status)).inc()
             request_log.info(msgspec.json.encode({
-                "request_id": req.request_id, "path": req.path, "status": status,
+                "request_id": client_id, "engine_request_id": engine_id,
+                "path": req.path, "status": status,
                 "stream": req.stream, "modality": modality,
                 "stages": trip.header() if trip else "", "retries": trip.retries if trip else 0,
                 "ms": round((time.perf_counter() - arrived) * 1e3, 2)}).decode())
@@ -222,18 +241,26 @@ def create_app(config: ProxyConfig) -> web.Application:
             {"id": config.model, "object": "model", "owned_by": "epd-serve"}]})
 
     async def health(request: web.Request) -> web.Response:
-        instances = proxy.table.instances
-        roster = proxy.table.roster
-        final = ("P", "D") if roster.split else ("PD",)
-        missing = [hop for hop in final if not eligible(instances, hop)]
-        if missing:
+        """ok: every stage has a healthy instance. degraded (200): a stage has none, but
+        text is served, and its work is done by another stage (stand_ins, e.g. "P>D") or
+        only the requests that need it are refused (images without an encoder, with
+        encode_fallback: refuse). unavailable (503): text cannot be served."""
+        instances, roster = proxy.table.instances, proxy.table.roster
+        down = down_hops(instances, roster)
+        text = plan_stages(0, (), False, roster, down, proxy.pipeline.stand_in)
+        missing = [hop for hop in roster.hops if hop in down]
+        if not all(eligible(instances, hop) for hop in text.hops):
             return web.json_response({"status": "unavailable",
-                                      "stages_without_healthy_instance": missing}, status=503)
-        if roster.encoders and not eligible(instances, "E"):
-            # Text is served; requests with images get a 503 until an encoder is back.
-            return web.json_response({"status": "degraded",
-                                      "stages_without_healthy_instance": ["E"]})
-        return web.json_response({"status": "ok"})
+                                      "stages_without_healthy_instance": missing or
+                                      list(text.hops)}, status=503)
+        if not missing:
+            return web.json_response({"status": "ok"})
+        stand_ins = list(text.stand_ins)
+        if "E" in down and config.routing.encode_fallback == "prefill":
+            stand_ins.insert(0, ("E", computing_hop(text)))
+        return web.json_response({"status": "degraded",
+                                  "stages_without_healthy_instance": missing,
+                                  "stand_ins": [f"{m}>{s}" for m, s in stand_ins]})
 
     async def ready(request: web.Request) -> web.Response:
         """Every instance of the roster has answered a probe: a deployment that was just
@@ -322,7 +349,8 @@ async def _relay(request: web.Request, response: web.StreamResponse, stream, met
             last = now
             await response.write(chunk)
     await response.write_eof()
-    final = next((s.instance for s in reversed(trip.stages) if s.stage in ("D", "PD")), "?")
+    final = next((s.instance for s in reversed(trip.stages)
+                  if s.stage == trip.final_hop and not s.failed), "?")
     if first is not None:
         metrics.first_token_seconds.labels(final).observe(first - arrived)
         if events > 2:  # the last event is [DONE]

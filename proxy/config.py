@@ -62,9 +62,18 @@ class RoutingSettings(BaseModel):
                                "images are sent in batches of at most this.")
     fan_out: bool = Field(True, description="Spread a request's images over the encoders, "
                           "encoded at once; false: all go to the encoder picked for the first.")
+    # A deployment that loses a whole stage keeps answering every request type by
+    # default: slower (the stand-in does two stages' work), counted, and shown in
+    # x-epd-stages as FALLBACK=..., rather than refused for the minute a restart takes.
     encode_fallback: Literal["refuse", "prefill"] = Field(
-        "refuse", description="With no encoder able to take an image: 'refuse' answers 503 "
-        "(text keeps flowing); 'prefill' sends the pixels to prefill, which encodes itself.")
+        "prefill", description="With no encoder able to take an image: 'prefill' sends the "
+        "pixels to the instance that computes the prompt, which encodes them itself "
+        "(FALLBACK=E>P); 'refuse' answers 503 (text keeps flowing).")
+    handoff_fallback: Literal["refuse", "stand-in"] = Field(
+        "stand-in", description="With every prefill (P) instance down, 'stand-in' sends "
+        "the request whole to a decode instance, which computes the prompt itself "
+        "(FALLBACK=P>D); with every decode (D) instance down, a prefill instance decodes "
+        "it (FALLBACK=D>P). 'refuse' answers 503 until the stage is back.")
     metrics_interval_s: float = Field(1.0, gt=0, description="How often each engine's own "
                                       "/metrics (running, waiting, KV use) is read.")
 

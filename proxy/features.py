@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 
 import msgspec
 import xxhash
@@ -134,6 +135,7 @@ class FeatureDirectory:
     def __init__(self, spec: StoreSpec, prefetch_endpoints: list[str]):
         self.spec = spec
         self._store: FeatureStore | None = None
+        self._opening = threading.Lock()
         self._ctx = zmq.Context()
         self._hint_socks: dict[str, zmq.Socket] = {}
         self._encode = msgspec.msgpack.Encoder()
@@ -152,8 +154,12 @@ class FeatureDirectory:
         return sock
 
     def _client(self) -> FeatureStore:
-        if self._store is None:  # the store may come up after the proxy's first request
-            self._store = open_store(self.spec)
+        # Opened on first use (the store may come up after the proxy's first request),
+        # from the event loop or a worker thread (to_thread): once, under the lock.
+        if self._store is None:
+            with self._opening:
+                if self._store is None:
+                    self._store = open_store(self.spec)
         return self._store
 
     async def stored(self, keys: list[str]) -> dict[str, dict]:

@@ -23,7 +23,7 @@ import io
 from urllib.parse import urlsplit
 
 from PIL import Image
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from epd_serve.proxy.errors import ProxyError, bad_request
 
@@ -93,6 +93,29 @@ class Limits(BaseModel):
     fetch_timeout_s: float = Field(
         5.0, gt=0,
         description="Time allowed to download one remote media URL, redirects included.")
+    # What the proxy holds at once (proxy/admission.py). Past either, a new request gets
+    # 503 with Retry-After and never reaches an engine; requests already taken on finish.
+    # 4096: engines queue beyond what they run (vLLM's max_num_seqs is 256 an instance),
+    # and the proxy's own cost is a few kB a request; 1 GiB: sixteen bodies of the
+    # largest size, each held two or three times over while it is parsed and rewritten.
+    max_requests_in_flight: int = Field(
+        4096, gt=0,
+        description="Most client requests served at once; past it, new requests get 503 "
+                    "with Retry-After (those already accepted are served).")
+    max_body_bytes_in_flight: int = Field(
+        1 << 30, gt=0,
+        description="Most bytes of request bodies held at once (each counted at its "
+                    "Content-Length, or at max_body_bytes without one); past it, new "
+                    "requests get 503 with Retry-After. At least max_body_bytes.")
+
+    @model_validator(mode="after")
+    def _one_body_fits(self) -> "Limits":
+        if self.max_body_bytes_in_flight < self.max_body_bytes:
+            raise ValueError(
+                f"max_body_bytes_in_flight ({self.max_body_bytes_in_flight}) is below "
+                f"max_body_bytes ({self.max_body_bytes}): a request of the largest size "
+                "would be refused forever")
+        return self
 
 
 @dataclasses.dataclass(eq=False)

@@ -13,7 +13,6 @@ back when the proxy restarts.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -73,14 +72,16 @@ class Membership:
         self.session = session
         self.metrics = metrics
         self.config = config
-        self._tasks: list[asyncio.Task] = []
+        # Every background task running: the two loops, and one-off probes of instances
+        # registered at run time, which leave the set when they end.
+        self._tasks: set[asyncio.Task] = set()
 
     # -- the roster ----------------------------------------------------------------
     def register(self, entry: InstanceEntry) -> InstanceState:
         inst = self.table.add(entry, source="registered")  # KeyError if the name is taken
         self.save()
         log.info("instance %s (%s) registered at %s", entry.name, entry.roles, entry.url)
-        self._tasks.append(asyncio.create_task(self.probe(inst)))  # routable once it answers
+        self._spawn(self.probe(inst))  # routable once it answers
         return inst
 
     def deregister(self, name: str) -> InstanceState:
@@ -106,21 +107,38 @@ class Membership:
 
     # -- background tasks ------------------------------------------------------------
     def start(self) -> None:
-        self._tasks += [asyncio.create_task(self._every(self.config.health_interval_s,
-                                                        self.probe)),
-                        asyncio.create_task(self._every(self.config.routing.metrics_interval_s,
-                                                        self.read_engine_load))]
+        self._spawn(self._every(self.config.health_interval_s, self.probe))
+        self._spawn(self._every(self.config.routing.metrics_interval_s, self.read_engine_load))
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)  # held until it ends: the loop keeps only weak references
+        task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background task failed", exc_info=task.exception())
 
     async def stop(self) -> None:
-        for task in self._tasks:
+        tasks = list(self._tasks)
+        for task in tasks:
             task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _every(self, interval: float, check) -> None:
+        """Run `check` on every instance, every `interval` seconds, for good: an error in
+        one round (a bug, something unforeseen from an instance) is logged, and the next
+        round runs as usual. Otherwise one such error would stop probing for the
+        proxy's lifetime, freezing every instance's health as it was."""
         while True:
-            await asyncio.gather(*(check(i) for i in self.table.instances))
+            instances = self.table.instances
+            results = await asyncio.gather(*(check(i) for i in instances),
+                                           return_exceptions=True)
+            for inst, result in zip(instances, results):
+                if isinstance(result, Exception):
+                    log.error("%s of instance %s failed", check.__name__, inst.name,
+                              exc_info=result)
             await asyncio.sleep(interval)
 
     async def probe(self, inst: InstanceState) -> None:

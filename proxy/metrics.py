@@ -46,6 +46,17 @@ class ProxyMetrics:
                                 "by reason.", ["reason"], registry=r)
         self.healthy = Gauge("epd_proxy_instance_healthy", "1 if routing may use the "
                              "instance.", ["instance"], registry=r)
+        self.body_bytes_in_flight = Gauge(
+            "epd_proxy_body_bytes_in_flight", "Bytes of request bodies the proxy holds "
+            "(as admitted: Content-Length).", registry=r)
+        self.refused = Counter("epd_proxy_refused_total", "Requests refused with 503 "
+                               "before any work, by the proxy.limits setting they would "
+                               "have passed.", ["limit"], registry=r)
+        self.fallbacks = Counter(
+            "epd_proxy_fallbacks_total", "Requests whose stage had no healthy instance and "
+            "whose work another stage did instead, by the missing stage and the stand-in "
+            "(P/D: decode computed the prompt; D/P: prefill decoded; E/P: prefill encoded).",
+            ["missing", "standin"], registry=r)
 
     def hop_done(self, hop: str, instance: str, seconds: float) -> None:
         self.hop_seconds.labels(HOP_STAGE.get(hop, hop), instance).observe(seconds)

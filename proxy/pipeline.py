@@ -8,12 +8,19 @@ instead of pixels (features.py). A merged prefill+decode instance answers direct
 otherwise the deployment's KV hand-off (handoff/) runs prefill and decode. If prefill
 fails on a reference (its feature went missing), the request runs once more with the
 pixels: prefill recomputes.
+
+A stage with no healthy instance is stood in for (routing.with_stand_in, counted in
+epd_proxy_fallbacks_total and shown as FALLBACK=... in x-epd-stages): with every P down
+a decode instance runs the request whole, computing the prompt; with every D down a
+prefill instance decodes it; with no encoder the instance computing the prompt gets
+the pixels (routing.encode_fallback). A hand-off whose end dies under a request (its
+connection refused) is planned again once with the live table.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 
 from epd_serve.mmstore import StoreSpec
 from epd_serve.proxy.config import ProxyConfig
@@ -21,7 +28,8 @@ from epd_serve.proxy.encoding import Encoder, NoEncoder
 from epd_serve.proxy.errors import ProxyError
 from epd_serve.proxy.features import FeatureDirectory, Images, all_parts
 from epd_serve.proxy.handoff import make_handoff
-from epd_serve.proxy.routing import RouteRequest, Router, StagePlan, plan_stages
+from epd_serve.proxy.routing import (RouteRequest, Router, StagePlan, computing_hop, down_hops,
+                                     plan_stages, with_stand_in)
 from epd_serve.proxy.state import InstanceTable
 from epd_serve.proxy.trip import StageRecord, Trip
 from epd_serve.proxy.upstream import Upstream
@@ -42,7 +50,7 @@ class Request:
 
     path: str
     body: dict
-    request_id: str
+    request_id: str  # what the engines get: unique per request (app.request_ids_for)
     image_pixels: list[int]  # per image_url part, in prompt order (0: unknown)
     text_chars: int
     fault: str | None = None
@@ -60,6 +68,18 @@ class Prepared:
     pixel_body: dict | None = None  # the fallback when `body` holds references
 
 
+def whole_request(body: dict, hop: str) -> dict:
+    """The request as one instance runs it whole. A P or D standing in for the other
+    gets no KV hand-off; a D gets no encoder hand-off either (it takes image references
+    from the MM Store like prefill, and without the store it is no EC consumer: it
+    encodes the pixels in the body). A merged PD instance gets the body as it is."""
+    if hop == "PD":
+        return body
+    drop = ("kv_transfer_params", "ec_transfer_params") if hop == "D" \
+        else ("kv_transfer_params",)
+    return {k: v for k, v in body.items() if k not in drop}
+
+
 def media_kinds(body: dict) -> tuple[int, bool]:
     """(image_url parts, whether other media parts are present) of a chat request."""
     kinds = [part.get("type") for part in all_parts(body)]
@@ -73,7 +93,9 @@ class Pipeline:
         self.table = table
         self.router = router
         self.upstream = upstream
+        self.metrics = upstream.metrics
         self.config = config
+        self.stand_in = config.routing.handoff_fallback == "stand-in"
         self.handoff = make_handoff(config.kv_protocol, upstream, config)
         self.encoder = Encoder(upstream, router, config.routing.encoder_batch,
                                config.routing.fan_out)
@@ -90,10 +112,32 @@ class Pipeline:
                     route=RouteRequest(cost=max(1.0, tokens)))
         images = Images(req.body, self.config.model) if n_images else None
         stored = await self._stored(images)
-        plan = plan_stages(n_images, stored, other_media, self.table.roster)
+        plan = plan_stages(n_images, stored, other_media, self.table.roster, self._down(),
+                           self.stand_in)
+        self._stood_in(trip, plan.stand_ins)
         prepared = await self._encode(req, plan, images, trip)
-        final = self._final_hop(req, plan, trip, images)
-        return trip, await self._with_recompute(prepared, trip, final)
+        try:
+            return trip, await self._prefill_decode(req, plan, prepared, trip, images)
+        except ProxyError as err:
+            # One end of the hand-off stopped answering under this request (it died; the
+            # refused connection took it out of the table): the other end stands in, as
+            # it does for every request planned from now on.
+            again = with_stand_in(plan, self._down()) if err.unreachable and self.stand_in \
+                else plan
+            if again == plan:
+                raise
+            self._stood_in(trip, again.stand_ins)
+            return trip, await self._prefill_decode(req, again, prepared, trip, images)
+
+    def _down(self) -> frozenset[str]:
+        return down_hops(self.table.instances, self.table.roster)
+
+    def _stood_in(self, trip: Trip, stand_ins: Iterable[tuple[str, str]]) -> None:
+        """Record (and count) stages whose work another stage does for this request."""
+        for missing, standin in stand_ins:
+            if (missing, standin) not in trip.stand_ins:
+                trip.stand_ins.append((missing, standin))
+                self.metrics.fallbacks.labels(missing, standin).inc()
 
     async def _stored(self, images: Images | None) -> list[bool]:
         if images is None:
@@ -126,8 +170,9 @@ class Pipeline:
             if self.config.routing.encode_fallback != "prefill":
                 raise
             trip.stages.append(StageRecord("E", "skipped"))
+            self._stood_in(trip, [("E", computing_hop(plan))])
             trip.images = "pixels"
-            return Prepared(pixel_body)  # prefill encodes the images itself
+            return Prepared(pixel_body)  # prefill (or its stand-in) encodes the images
         if self.features is None:  # vLLM's file connector: the hashes travel in the body
             trip.images = "pixels"
             return Prepared({**pixel_body, "ec_transfer_params": images.ec_params})
@@ -139,23 +184,31 @@ class Pipeline:
         trip.images = "ref"
         return Prepared(images.reference_body(), pixel_body)
 
+    async def _prefill_decode(self, req: Request, plan: StagePlan, prepared: Prepared,
+                              trip: Trip, images: Images | None):
+        return await self._with_recompute(prepared, trip,
+                                          self._final_hop(req, plan, trip, images))
+
     def _final_hop(self, req: Request, plan: StagePlan, trip: Trip,
                    images: Images | None) -> Callable[[dict], Awaitable]:
-        """Prefill and decode: on one merged instance, or through the KV hand-off."""
-        hop = "PD" if plan.final == "PD" else "P"
+        """Prefill and decode: through the KV hand-off, or on one instance that runs the
+        request whole (a merged PD instance, or a P or D standing in for the other)."""
+        hop = computing_hop(plan)
         candidates = self.router.choose(hop, trip.route)
         if not candidates:
             raise ProxyError(503, f"no healthy instance runs stage {hop}",
                              "service_unavailable", reason=f"no_{hop}")
-        if hop == "PD":
+        trip.final_hop = "D" if plan.final == "P+D" else plan.final
+        if plan.final != "P+D":
             if req.stream:
                 async def run(body: dict):
-                    stream = await self.upstream.open_stream("PD", req.path, body, trip,
-                                                             candidates)
+                    stream = await self.upstream.open_stream(
+                        hop, req.path, whole_request(body, hop), trip, candidates)
                     return stream.relay()
             else:
                 async def run(body: dict):
-                    return (await self.upstream.post("PD", req.path, body, trip, candidates))[1]
+                    return (await self.upstream.post(hop, req.path, whole_request(body, hop),
+                                                     trip, candidates))[1]
         elif req.stream:
             async def run(body: dict):
                 return await self.handoff.stream(req.path, body, trip, candidates)
@@ -172,7 +225,7 @@ class Pipeline:
         try:
             return await run(prepared.body)
         except ProxyError as err:
-            if prepared.pixel_body is None or err.status < 500:
+            if prepared.pixel_body is None or err.status < 500 or err.unreachable:
                 raise
             # Prefill could not get a feature it was sent a reference to (evicted or
             # lost): send the pixels so it encodes the image itself.

@@ -8,7 +8,9 @@ POLICIES.
 
 Hops are named by what the instance does for the request: "E" (encode), "P" (prefill
 whose KV is handed to decode), "D" (decode with that KV) and "PD" (an instance that
-prefills and decodes the request itself).
+prefills and decodes the request itself). When every instance of one end of the KV
+hand-off is down, the plan's final hop is the other end alone ("D" or "P"), which then
+runs the request whole (`with_stand_in`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,12 @@ class Roster:
                 pools[hop] = pools[hop] or serves(inst, hop)
         return cls(encoders=pools["E"], split=pools["P"] and pools["D"], merged=pools["PD"])
 
+    @property
+    def hops(self) -> tuple[str, ...]:
+        """The hops the deployment has (healthy or not)."""
+        return tuple(hop for hop, has in (("E", self.encoders), ("P", self.split),
+                                          ("D", self.split), ("PD", self.merged)) if has)
+
 
 @dataclasses.dataclass(frozen=True)
 class StagePlan:
@@ -48,30 +56,55 @@ class StagePlan:
     encode: tuple[int, ...] = ()  # indices of the images an encoder computes
     stored: tuple[int, ...] = ()  # images whose features the MM Store already holds
     pixels_to_prefill: bool = False  # prefill gets the pixels (no encoder hop for them)
-    final: str = "PD"  # "PD": one instance answers; "P+D": prefill, KV hand-off, decode
+    # "P+D": prefill, KV hand-off, decode; otherwise the one hop that runs the request
+    # whole: "PD" (a merged instance), or "D" / "P" standing in for a missing P / D.
+    final: str = "PD"
+    stand_ins: tuple[tuple[str, str], ...] = ()  # (missing stage, the stage doing its work)
 
     @property
     def hops(self) -> tuple[str, ...]:
         head = ("E",) if self.encode else ()
-        return head + (("P", "D") if self.final == "P+D" else ("PD",))
+        return head + (("P", "D") if self.final == "P+D" else (self.final,))
 
 
-def plan_stages(images: int, stored: Sequence[bool], other_media: bool,
-                roster: Roster) -> StagePlan:
+def plan_stages(images: int, stored: Sequence[bool], other_media: bool, roster: Roster,
+                down: frozenset[str] = frozenset(), stand_in: bool = False) -> StagePlan:
     """The stages of a request with `images` image items (`stored[i]`: the MM Store
-    holds image i) and `other_media` (video/audio, which encoders take whole).
+    holds image i) and `other_media` (video/audio, which encoders take whole), given
+    the hops of the roster that have no healthy instance now (`down`).
 
     Text goes P -> D. Images go E -> P -> D when the deployment has encoders, skipping
     E for the images the store holds; without encoders (EP-D, TP1) prefill encodes.
+    With `stand_in`, a hand-off missing one end runs whole on the other (`with_stand_in`).
     """
     final = "P+D" if roster.split else "PD"
     if not roster.encoders or not (images or other_media):
-        return StagePlan(final=final, pixels_to_prefill=bool(images or other_media))
-    if other_media:  # encoders take the whole request; prefill gets it with pixels
-        return StagePlan(encode=tuple(range(images)), final=final, pixels_to_prefill=True)
-    encode = tuple(i for i in range(images) if not stored[i])
-    kept = tuple(i for i in range(images) if stored[i])
-    return StagePlan(encode=encode, stored=kept, final=final)
+        plan = StagePlan(final=final, pixels_to_prefill=bool(images or other_media))
+    elif other_media:  # encoders take the whole request; prefill gets it with pixels
+        plan = StagePlan(encode=tuple(range(images)), final=final, pixels_to_prefill=True)
+    else:
+        plan = StagePlan(encode=tuple(i for i in range(images) if not stored[i]),
+                         stored=tuple(i for i in range(images) if stored[i]), final=final)
+    return with_stand_in(plan, down) if stand_in else plan
+
+
+def with_stand_in(plan: StagePlan, down: frozenset[str]) -> StagePlan:
+    """`plan` with a KV hand-off that lost one end run whole by the other: prefill and
+    decode instances are both full engines. Every P down: a decode instance computes
+    the prompt itself (as when a KV transfer fails); every D down: a prefill instance
+    decodes. Any other plan (or both ends down) is returned as it is."""
+    if plan.final != "P+D":
+        return plan
+    if "P" in down and "D" not in down:
+        return dataclasses.replace(plan, final="D", stand_ins=(("P", "D"),))
+    if "D" in down and "P" not in down:
+        return dataclasses.replace(plan, final="P", stand_ins=(("D", "P"),))
+    return plan
+
+
+def computing_hop(plan: StagePlan) -> str:
+    """The hop that computes the prompt, and so encodes images when no encoder does."""
+    return "P" if plan.final == "P+D" else plan.final
 
 
 # -- which instance: filter ---------------------------------------------------------
@@ -97,6 +130,11 @@ def eligible(instances: Iterable[InstanceState], hop: str,
     excluded = set(map(id, exclude))
     return [i for i in instances
             if serves(i, hop) and i.healthy and not i.draining and id(i) not in excluded]
+
+
+def down_hops(instances: Sequence[InstanceState], roster: Roster) -> frozenset[str]:
+    """The roster's hops that no healthy instance serves right now."""
+    return frozenset(hop for hop in roster.hops if not eligible(instances, hop))
 
 
 # -- which instance: scorers (lower is better) --------------------------------------

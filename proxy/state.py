@@ -54,6 +54,16 @@ class InstanceState:
             return None
         return self.engine
 
+    def refused(self, error: str) -> bool:
+        """A connection to it was refused: nothing listens (its process is gone), so it
+        is out at once, as a probe would decide, until it answers a probe again.
+        Returns True if it was routable until now."""
+        was = self.healthy
+        self.healthy = False
+        self.engine = None
+        self.last_error = error[:300]
+        return was
+
     def lease(self, hop: str, cost: float = 1.0) -> "Lease":
         return Lease(self, hop, cost)
 

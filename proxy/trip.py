@@ -1,5 +1,10 @@
 """What one request's trip through the stages looked like; the proxy sends it back
-in the x-epd-stages header and writes it in its request log.
+in the x-epd-stages header and writes it in its request log, e.g.
+`E=e0:18.3ms;P=p1:31.8ms;D=d2;KV=done:bytes=393216B:transfer=1.6ms:exposed=0.0ms:groups=2;IMG=ref`
+or, with every prefill instance down, `E=e0:18.3ms;D=d2:250.1ms;IMG=ref;FALLBACK=P>D`.
+Parts: `<stage>=<instance>[!][:<ms>ms]` per hop, `KV=` (the hand-off's report), `IMG=`
+(ref | pixels | recompute), and `FALLBACK=<missing>><stand-in>[,...]` for stages whose
+work another stage did because none of their instances was healthy (see `Trip.header`).
 
 Pure data, filled in by upstream.py (each hop), encoding.py and the KV hand-offs.
 """
@@ -35,10 +40,16 @@ class Trip:
     # "pixels", or "recompute" (references failed, then pixels); None for text.
     images: str | None = None
     retries: int = 0
+    # Stages that had no healthy instance, each with the stage that did its work.
+    stand_ins: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    final_hop: str | None = None  # the hop whose instance answers the client (D, PD, P)
 
     def header(self) -> str:
         """Stages in pipeline order (prefill and decode may run at the same time);
-        a failed attempt is marked with '!' after the instance."""
+        a failed attempt is marked with '!' after the instance. A stage done by another
+        for want of a healthy instance is listed last, missing>stand-in, comma-separated:
+        `FALLBACK=P>D` (decode computed the prompt), `FALLBACK=D>P` (prefill decoded),
+        `FALLBACK=E>P` (prefill encoded the images; `E>D` when decode stood in for both)."""
         parts = [f"{rec.stage}={rec.instance}{'!' if rec.failed else ''}"
                  + (f":{rec.ms:.1f}ms" if rec.ms is not None else "")
                  for rec in sorted(self.stages, key=_pipeline_order)]
@@ -52,4 +63,7 @@ class Trip:
             parts.append("KV=" + ":".join(fields))
         if self.images:
             parts.append(f"IMG={self.images}")
+        if self.stand_ins:
+            parts.append("FALLBACK=" + ",".join(
+                f"{m}>{s}" for m, s in sorted(self.stand_ins, key=lambda p: "EPD".find(p[0]))))
         return ";".join(parts)

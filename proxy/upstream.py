@@ -5,13 +5,15 @@ Runs inside the proxy process (asyncio, aiohttp client). Plain and streamed hops
 that answers 5xx before anything was relayed, is recorded as a failed attempt and the
 hop goes to the next (at most one retry after a 5xx, since a request that breaks one
 engine would break the next). Each attempt holds a state.Lease on its instance, closed
-here and nowhere else, which also feeds the hop metrics.
+here and nowhere else, which also feeds the hop metrics. An instance that refuses a
+connection is taken out of routing at once (its process is gone), as a probe would.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -24,6 +26,8 @@ from epd_serve.proxy.metrics import ProxyMetrics
 from epd_serve.proxy.routing import Router
 from epd_serve.proxy.state import InstanceState, Lease
 from epd_serve.proxy.trip import StageRecord, Trip
+
+log = logging.getLogger("epd_serve.proxy.upstream")
 
 JSON = {"content-type": "application/json"}
 _encode = msgspec.json.Encoder().encode
@@ -95,6 +99,14 @@ class Upstream:
                 record.failed, record.ms = True, ms
             else:
                 trip.stages.append(StageRecord(lease.hop, inst.name, ms, failed=True))
+
+    def _refused(self, inst: InstanceState, error: str) -> None:
+        """Take an instance that refused a connection out now rather than at the next
+        probe: the requests arriving meanwhile are routed (or planned) without it."""
+        if inst.refused(error):
+            log.warning("instance %s refused a connection; out until it answers a probe",
+                        inst.name)
+            self.metrics.healthy.labels(inst.name).set(0)
 
     def note_retry(self, hop: str, trip: Trip) -> None:
         """A hop sent again to another instance (here, or by a KV hand-off's own loop)."""
@@ -176,6 +188,8 @@ class Upstream:
             except TRANSPORT_ERRORS as err:
                 last = f"{inst.name}: {type(err).__name__}: {err}"
                 self.release(lease, trip, last)
+                if isinstance(err, aiohttp.ClientConnectorError):
+                    self._refused(inst, last)
                 continue
             except BaseException:
                 self.release(lease, trip, "cancelled", instance_fault=False)

@@ -17,7 +17,7 @@ import contextlib
 import dataclasses
 from collections.abc import AsyncIterator
 
-from epd_serve.proxy.handoff.base import Handoff, decode_body
+from epd_serve.proxy.handoff.base import Handoff, cancel_and_wait, decode_body
 from epd_serve.proxy.errors import ProxyError
 from epd_serve.proxy.state import InstanceState
 from epd_serve.proxy.trip import Trip
@@ -65,8 +65,18 @@ class AscendLayerwise(Handoff):
         async with self._registered(path, body, trip, prefill) as pending:
             decoding = asyncio.create_task(
                 self.upstream.post("D", path, self._decode_body(body), trip))
-            await _first_failure(pending.done, decoding)
-            return (await decoding)[1]
+            try:
+                # Decode answers once prefill has pushed the KV; a prefill that fails
+                # first ends the request (and decode's, which would wait for nothing).
+                await asyncio.wait({pending.done, decoding},
+                                   return_when=asyncio.FIRST_COMPLETED)
+                if not decoding.done() and pending.done.exception() is not None:
+                    raise pending.done.exception()
+                return (await decoding)[1]
+            except BaseException:
+                if not decoding.done():  # asyncio.wait leaves it running when we leave
+                    await cancel_and_wait(decoding)
+                raise
 
     async def stream(self, path, body, trip, prefill) -> AsyncIterator[bytes]:
         async with self._registered(path, body, trip, prefill) as pending:
@@ -110,13 +120,3 @@ def _engine_request_id(path: str, body: dict, request_id: str) -> str:
         raise ProxyError(400, "the ascend-layerwise hand-off takes one prompt per completion "
                               "request", "invalid_request_error")
     return f"cmpl-{request_id}-0"
-
-
-async def _first_failure(prefill_done: asyncio.Future, decoding: asyncio.Task) -> None:
-    """Wait until decode answers; if prefill fails first, stop decode and raise."""
-    await asyncio.wait({prefill_done, decoding}, return_when=asyncio.FIRST_COMPLETED)
-    if prefill_done.done() and prefill_done.exception() and not decoding.done():
-        decoding.cancel()
-        with contextlib.suppress(BaseException):
-            await decoding
-        raise prefill_done.exception()

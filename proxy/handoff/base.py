@@ -8,6 +8,7 @@ calls, what to do when one side fails). One file per protocol in this package.
 
 from __future__ import annotations
 
+import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from typing import ClassVar
@@ -24,6 +25,22 @@ def decode_body(body: dict, kv_transfer_params: dict) -> dict:
     out = {k: v for k, v in body.items() if k != "ec_transfer_params"}
     out["kv_transfer_params"] = kv_transfer_params
     return out
+
+
+async def cancel_and_wait(task: asyncio.Task) -> None:
+    """Cancel `task` (a hop whose other half failed) and wait until it has ended, so its
+    connection is closed before we go on. How it ended is of no interest: its failure
+    or its own cancellation is dropped. The caller's own cancellation (the client left)
+    is not: it propagates, so the handler ends."""
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if current is not None and current.cancelling():
+            raise  # we were cancelled while waiting, not just the task
+    except Exception:
+        pass  # the task failed before the cancellation reached it: that is its outcome
 
 
 class Handoff(ABC):

@@ -17,11 +17,10 @@ peer and computes the prompt itself, so the request is slower but not lost.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from epd_serve.proxy.handoff.base import Handoff, decode_body
+from epd_serve.proxy.handoff.base import Handoff, cancel_and_wait, decode_body
 from epd_serve.proxy.errors import ProxyError
 from epd_serve.proxy.state import InstanceState
 from epd_serve.proxy.trip import Trip
@@ -103,11 +102,10 @@ async def _discard_result(_result) -> None:
 
 async def _cancel(task: asyncio.Task, discard: Callable[[object], Awaitable]) -> None:
     """Stop a decode request whose prefill failed: cancelling closes its connection,
-    which makes the engine abort it."""
-    if task.done():
-        with contextlib.suppress(BaseException):
+    which makes the engine abort it; an answer it already has is discarded."""
+    try:
+        if not task.done():
+            await cancel_and_wait(task)
+    finally:
+        if task.done() and not task.cancelled() and task.exception() is None:
             await discard(task.result())
-        return
-    task.cancel()
-    with contextlib.suppress(BaseException):
-        await task

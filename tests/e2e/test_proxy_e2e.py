@@ -25,9 +25,11 @@ MAX_TOKENS = 4
 @pytest.fixture(scope="module")
 def dep(deployments):
     # Least-loaded encoders and one image per encoder request: a 4-image request is
-    # spread two and two, whatever the images' hashes.
+    # spread two and two, whatever the images' hashes. Images refused while no encoder
+    # is up (by default the PD instance would encode them instead).
     return deployments.get("2e-pd.yaml", proxy={"routing": {"E": "least-loaded",
-                                                            "encoder_batch": 1}})
+                                                            "encoder_batch": 1,
+                                                            "encode_fallback": "refuse"}})
 
 
 def model(dep) -> str:

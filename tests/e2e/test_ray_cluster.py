@@ -30,6 +30,9 @@ def cluster_dep(deployments, tiny_model, tmp_path_factory):
         "proxy_port": base, "base_port": base + 10, "kv_base_port": base + 30,
         "mm_store": {"backend": "mooncake", "capacity": STORE_CAPACITY, "port": base + 20,
                      "metrics_port": base + 21, "prefetch_base_port": base + 24},
+        # This test shows images refused while the encoder's node is away (by default
+        # prefill would encode them instead).
+        "proxy": {"routing": {"encode_fallback": "refuse"}},
         "work_dir": str(tmp_path_factory.mktemp("ray") / "cpu-ray-e-p-d")})
     started = time.monotonic()
     launcher = deploy.bring_up(dep)
