@@ -22,6 +22,15 @@ REPO = Path(__file__).resolve().parents[2]
 STORE_CAPACITY = 64 << 20
 
 
+def pytest_collection_modifyitems(config, items):
+    """Mark every test under tests/e2e `e2e`, so `-m "not e2e"` selects the unit tests.
+    (Pytest hands this hook every collected item, not only this folder's.)"""
+    here = Path(__file__).parent
+    for item in items:
+        if here in item.path.parents:
+            item.add_marker(pytest.mark.e2e)
+
+
 def _interfaces() -> list[str]:
     return sorted(os.listdir("/sys/class/net"))
 

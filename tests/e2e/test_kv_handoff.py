@@ -18,6 +18,8 @@ import pytest
 from epd_serve.demo import traced_request
 from epd_serve.instance_metrics import parse_prometheus
 
+from ..waiting import wait_for
+
 # Faults on request, and timeouts short enough for a test to wait them out.
 SETTINGS = {"fault_injection": True, "peer_timeout_s": 3.0, "transfer_timeout_floor_s": 3.0}
 MAX_TOKENS = 8
@@ -98,7 +100,7 @@ def test_a_failed_transfer_is_recomputed_and_the_request_succeeds(dep, fault):
     assert delta[d].prompt_local == prompt and delta[d].generated == MAX_TOKENS
     assert delta[d].kv_failures == 1 and delta[p].kv_failures == 1
     # Prefill holds no block for it any more.
-    assert wait_kv_cache_empty(dep, p)
+    wait_kv_cache_empty(dep, p)
 
 
 def kv_cache_usage(dep, name: str) -> float:
@@ -107,13 +109,9 @@ def kv_cache_usage(dep, name: str) -> float:
         "vllm:kv_cache_usage_perc", -1.0)
 
 
-def wait_kv_cache_empty(dep, name: str, timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if kv_cache_usage(dep, name) == 0.0:
-            return True
-        time.sleep(0.5)
-    return False
+def wait_kv_cache_empty(dep, name: str, what: str = "") -> None:
+    wait_for(lambda: kv_cache_usage(dep, name) == 0.0, timeout=30, interval=0.5,
+             what=what or f"{name} holds no KV blocks")
 
 
 def tree_pids(launcher, name: str) -> set[int]:
@@ -158,15 +156,24 @@ def in_background(dep, body: dict) -> concurrent.futures.Future:
     return future
 
 
-def busy_decoder(dep) -> str:
-    """The decode instance the proxy has a request in flight with."""
-    deadline = time.monotonic() + 30
-    while True:
-        for inst in httpx.get(dep.proxy_url + "/status").json()["instances"]:
-            if inst["roles"] == "D" and inst["in_flight"]:
-                return inst["name"]
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+def in_flight(dep, roles: str) -> list[str]:
+    """The instances running `roles` that the proxy has a request in flight with."""
+    return [inst["name"] for inst in httpx.get(dep.proxy_url + "/status").json()["instances"]
+            if inst["roles"] == roles and inst["in_flight"]]
+
+
+def stalled_handoff(dep) -> str:
+    """Wait until prefill has answered (its forward pass is over: the proxy has no
+    request in flight with it) while the decode instance holds blocks for the request
+    (it has reserved them with prefill). From then on prefill's write into them, stalled
+    by the fault, hangs for more than transfer_timeout_floor_s. Returns that decoder."""
+    # The proxy starts prefill first: once decode has the request, prefill has had it.
+    (decoder,) = wait_for(lambda: in_flight(dep, "D"), timeout=30, interval=0.05,
+                          what="a decode instance has the request")
+    wait_for(lambda: not in_flight(dep, "P") and kv_cache_usage(dep, decoder) > 0,
+             timeout=30, interval=0.05,
+             what=f"prefill answered while {decoder} holds blocks for the KV")
+    return decoder
 
 
 def kill_api_server(launcher, name: str) -> None:
@@ -183,8 +190,7 @@ def test_prefill_killed_mid_transfer_leaves_decode_serving(dep, deployments):
     # The write to decode hangs (the fault) while prefill is killed.
     answer = in_background(dep, completion(dep, prompt_ids(300, 21),
                                            kv_transfer_params={"epd_fault": "stall"}))
-    busy_decoder(dep)
-    time.sleep(1.0)
+    stalled_handoff(dep)
     kill_api_server(launcher, p)
     restart(deployments, dep, p)
     assert gone(old_tree), "processes of the killed prefill instance survived the restart"
@@ -205,11 +211,10 @@ def test_decode_killed_mid_transfer_leaves_nothing_pinned_on_prefill(dep, deploy
     launcher = deployments.current[2]
     answer = in_background(dep, completion(dep, prompt_ids(300, 40),
                                            kv_transfer_params={"epd_fault": "stall"}))
-    target = busy_decoder(dep)
-    time.sleep(1.0)  # prefill is done; its write to the decoder hangs
+    target = stalled_handoff(dep)  # prefill is done; its write to the decoder hangs
     kill_api_server(launcher, target)
     answer.result(timeout=300)  # whatever it became: the point is what prefill holds
-    assert wait_kv_cache_empty(dep, p), "prefill still holds blocks of a dead decoder's request"
+    wait_kv_cache_empty(dep, p, "prefill still holds blocks of a dead decoder's request")
     restart(deployments, dep, target)
     resp, _ = send(dep, completion(dep, prompt_ids(250, 50)))
     assert resp.json()["kv_transfer_params"]["epd_kv"]["outcome"] == "done"

@@ -4,7 +4,6 @@ vLLM requests are stood in for by the few fields the connector reads."""
 
 from __future__ import annotations
 
-import time
 from types import SimpleNamespace
 
 import msgspec
@@ -21,6 +20,7 @@ from epd_serve.mmstore import FeatureMeta, StoreSpec, open_store
 from epd_serve.mmstore.service import StartedStore
 
 from ...ports import free_port_block
+from ...waiting import wait_for
 
 GRID = {"image_grid_thw": [1, 4, 4]}
 
@@ -68,6 +68,14 @@ def store_feature(spec, key: str) -> None:
         store.put(key, np.arange(64, dtype=np.uint8), FeatureMeta((4, 8), "bfloat16", GRID))
 
 
+def handled(store) -> None:
+    """Return once the store server has handled everything `store` sent so far: pins
+    and unpins go without an answer, but the server handles one connection's messages
+    in order, so the answer to a round trip on it (deleting a key nobody stored) comes
+    after theirs."""
+    assert store.delete("never-stored") is False
+
+
 def test_a_stored_feature_is_pinned_until_the_request_finishes(spec):
     store_feature(spec, "held")
     sched = scheduler(spec)
@@ -77,11 +85,11 @@ def test_a_stored_feature_is_pinned_until_the_request_finishes(spec):
     sched.update_state_after_alloc(req, 0)
     assert sched.build_connector_meta(None).loads == {"held": 4}
     assert sched.build_connector_meta(None).loads == {}  # one load per allocation
-    time.sleep(0.05)  # the scheduler's hold is not acknowledged
+    handled(sched.store)  # the scheduler's hold is not acknowledged
     with open_store(spec) as store:
         assert store.delete("held") is False  # pinned by the scheduler
         sched.request_finished(req)
-        time.sleep(0.05)  # the unpin is not acknowledged
+        handled(sched.store)  # nor is its unpin
         assert store.delete("held") is True
     assert not sched.has_cache_item("held")
 
@@ -163,10 +171,7 @@ def test_the_prefetcher_pulls_hinted_features_and_hands_each_over_once(spec):
         try:
             push.send(b"not msgpack of a list")  # dropped, the listener keeps going
             push.send(msgspec.msgpack.encode(["hinted", "never-stored"]))
-            deadline = time.monotonic() + 5
-            while (item := prefetcher.claim("hinted")) is None:
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
+            item = wait_for(lambda: prefetcher.claim("hinted"), what="the hint arrived")
             assert item.done.wait(5) and item.result is not None
             assert item.result[1].placeholder == GRID and item.ready_at >= item.hinted_at
             assert prefetcher.claim("hinted") is None  # handed over once

@@ -23,6 +23,7 @@ from epd_serve.connectors.epd_kv.settings import Settings
 from epd_serve.connectors.epd_kv.transfer import TransferError
 
 from ...ports import free_port_block
+from ...waiting import wait_for
 
 LAYERS, BLOCKS, BLOCK_BYTES, BLOCK_SIZE = 6, 16, 256, 4
 CPU_TENSOR = types.SimpleNamespace(device=types.SimpleNamespace(type="cpu"))
@@ -86,8 +87,10 @@ def make_pair():
     made = []
 
     def make(**overrides) -> Pair:
-        settings = Settings(**{"ack_timeout_s": 2.0, "heartbeat_s": 0.1, "peer_timeout_s": 1.0,
-                               "transfer_timeout_floor_s": 0.3, "reservation_timeout_s": 0.5,
+        # Timeouts long enough that a starved test process does not trip them; a test of
+        # one timeout makes that one short.
+        settings = Settings(**{"ack_timeout_s": 5.0, "heartbeat_s": 0.1, "peer_timeout_s": 5.0,
+                               "transfer_timeout_floor_s": 5.0, "reservation_timeout_s": 10.0,
                                "release_grace_s": 5.0, "fault_injection": True, **overrides})
         p_memory, p_layouts = cache()
         p_memory[:] = np.random.default_rng(0).integers(1, 255, p_memory.shape, dtype=np.uint8)
@@ -130,14 +133,16 @@ def finish_prefill(pair: Pair, transfer="t1", aborted=False):
         finished_sends=[FinishedSend("p-req", transfer, aborted)]))
 
 
-def wait_for(condition, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.01)
-    raise AssertionError("condition not met in time")
+def incoming(pair: Pair, transfer="t1"):
+    """Decode's record of a transfer it has reserved and not yet reported."""
+    return pair.receiver._incoming.get(transfer)
+
+
+def acknowledged(pair: Pair, transfer="t1") -> None:
+    """Wait until prefill has acknowledged decode's reservation: it holds it (it acks
+    after taking it), and decode knows which incarnation of prefill took it."""
+    wait_for(lambda: (i := incoming(pair, transfer)) is not None and i.acked,
+             what=f"prefill acknowledged the reservation of {transfer}")
 
 
 def results(pair: Pair):
@@ -158,7 +163,7 @@ def results(pair: Pair):
 def test_every_layer_group_lands_in_decodes_reserved_blocks(make_pair):
     pair = make_pair()
     pair.receiver.reserve(recv_plan(pair))
-    time.sleep(0.2)  # the reservation is there before prefill computes
+    acknowledged(pair)  # the reservation is there before prefill computes
     prefill(pair)
     got = results(pair)
     assert got["finished"] == {"d-req"} and not got["failed"]
@@ -177,9 +182,11 @@ def test_a_quiet_spell_between_transfers_is_not_taken_for_a_dead_prefill(make_pa
     pair = make_pair(peer_timeout_s=0.5)
     for n, transfer in enumerate(("t1", "t2")):
         if n:
-            time.sleep(1.0)  # longer than peer_timeout_s with nothing pending
+            # Time itself is what is tested: a quiet spell longer than peer_timeout_s
+            # with nothing pending (so nothing pinged, nothing answered).
+            time.sleep(1.0)
         pair.receiver.reserve(recv_plan(pair, transfer=transfer))
-        time.sleep(0.1)
+        acknowledged(pair, transfer)
         prefill(pair, transfer=transfer)
         assert results(pair)["reports"]["d-req"]["outcome"] == "done"
 
@@ -199,7 +206,7 @@ def test_chunked_prefill_and_decodes_own_prefix_hit(make_pair):
     pair = make_pair()
     # Decode already holds block 0 (a prefix-cache hit): it reserves blocks 1.. only.
     pair.receiver.reserve(recv_plan(pair, blocks=(12, 13), first_block=1, tokens=12))
-    time.sleep(0.2)
+    acknowledged(pair)
     prefill(pair, start=0, end=6)  # tokens 0-5: blocks 0 and 1 (half full)
     prefill(pair, start=6, end=12)  # tokens 6-11: blocks 1 (again, now full) and 2
     assert results(pair)["reports"]["d-req"]["outcome"] == "done"
@@ -211,7 +218,7 @@ def test_chunked_prefill_and_decodes_own_prefix_hit(make_pair):
 def test_modes_send_one_write_or_one_per_layer(make_pair, mode, groups):
     pair = make_pair()
     pair.receiver.reserve(recv_plan(pair))
-    time.sleep(0.2)
+    acknowledged(pair)
     prefill(pair, mode=mode)
     report = results(pair)["reports"]["d-req"]
     assert (report["mode"], report["groups"]) == (mode, groups)
@@ -222,7 +229,7 @@ def test_a_failed_write_makes_decode_recompute_and_frees_both_sides(make_pair):
     pair = make_pair()
     pair.link.fail = True
     pair.receiver.reserve(recv_plan(pair))
-    time.sleep(0.2)
+    acknowledged(pair)
     prefill(pair)
     got = results(pair)
     assert got["failed"] == {"d-req"} and "failed" in got["reports"]["d-req"]["reason"]
@@ -233,12 +240,15 @@ def test_a_failed_write_makes_decode_recompute_and_frees_both_sides(make_pair):
 
 
 def test_a_write_past_its_deadline_fails_but_decode_waits_for_it_to_end(make_pair):
-    pair = make_pair()
+    pair = make_pair(transfer_timeout_floor_s=0.3)
     pair.link.hold = threading.Event()
     pair.receiver.reserve(recv_plan(pair))
-    time.sleep(0.2)
+    acknowledged(pair)
     prefill(pair, mode="whole")
-    time.sleep(1.0)  # well past the 0.3 s deadline: prefill has declared it failed
+    # Past its 0.3 s deadline prefill declares the write failed, and decode hears so ...
+    wait_for(lambda: incoming(pair).outcome == "failed"
+             and incoming(pair).waiting_release_since is not None,
+             what="decode heard that the write failed while it was still running")
     assert pair.receiver.take_results()[0] == set()  # ... but the write may still land
     pair.link.hold.set()
     got = results(pair)
@@ -246,12 +256,13 @@ def test_a_write_past_its_deadline_fails_but_decode_waits_for_it_to_end(make_pai
 
 
 def test_a_prefill_that_restarts_fails_its_old_transfers(make_pair):
-    pair = make_pair()
+    # Neither silence nor an unmatched reservation may end the transfer first: only
+    # the new incarnation answering decode's pings.
+    pair = make_pair(peer_timeout_s=60.0, reservation_timeout_s=60.0)
     pair.link.hold = threading.Event()  # keep the transfer open
     pair.receiver.reserve(recv_plan(pair))
-    time.sleep(0.3)  # acknowledged by the first incarnation
-    pair.sender.close()
-    time.sleep(0.1)
+    acknowledged(pair)  # by the first incarnation
+    pair.sender.close()  # its port is free again once this returns
     reborn = Sender(FakeLink(), pair.sender.layouts, BLOCK_SIZE, "p-engine", 0, pair.settings,
                     LinkModel(1e-4, 1e9), Stats())
     reborn.start(pair.port)
@@ -265,15 +276,18 @@ def test_a_prefill_that_restarts_fails_its_old_transfers(make_pair):
 
 
 def test_a_prefill_that_goes_silent_is_given_up(make_pair):
-    pair = make_pair(peer_timeout_s=0.6)
+    # Nothing but the silence can end the transfer: prefill keeps the reservation (it
+    # is gone before it could drop it) and decode would wait a minute for a release.
+    pair = make_pair(peer_timeout_s=0.6, reservation_timeout_s=60.0, release_grace_s=60.0)
     pair.link.hold = threading.Event()
     pair.receiver.reserve(recv_plan(pair))
-    time.sleep(0.3)
+    acknowledged(pair)
     pair.sender.channel.close()  # the engine is gone; nobody answers pings
-    started = time.monotonic()
     got = results(pair)
-    assert got["failed"] == {"d-req"} and "silent" in got["reports"]["d-req"]["reason"]
-    assert time.monotonic() - started < 3
+    assert got["failed"] == {"d-req"}
+    reason = got["reports"]["d-req"]["reason"]
+    assert reason.startswith(f"prefill worker 127.0.0.1:{pair.port} silent for"), reason
+    assert pair.receiver.stats.records.count("receive_failures") == 1
     pair.link.hold.set()
 
 
@@ -286,24 +300,28 @@ def test_an_unreachable_prefill_is_detected_by_the_missing_acknowledgement(make_
 
 
 def test_an_aborted_decode_request_cancels_and_is_freed(make_pair):
-    pair = make_pair()
-    pair.receiver.reserve(recv_plan(pair))
-    time.sleep(0.2)
+    # No reservation timeout can free prefill's blocks within the test: only the cancel.
+    pair = make_pair(reservation_timeout_s=60.0)
+    pair.receiver.reserve(recv_plan(pair))  # decode blocks 9, 10, 11
+    acknowledged(pair)
+    prefill(pair, start=0, end=6)  # the first chunk (prefill blocks 2, 3 -> 9, 10)
     pair.receiver.abort({"d-req"})
-    got = results(pair)
+    got = results(pair)  # reported once prefill has released it
     assert got["finished"] == {"d-req"} and not got["failed"]
     assert got["reports"]["d-req"]["outcome"] == "cancelled"
-    # Prefill stops for it: its blocks are freed as soon as its request finished.
-    prefill(pair)
+    # Prefill stops for it: the next chunk writes nothing (block 11 stays empty), and
+    # its blocks are freed as soon as its request finished.
+    prefill(pair, start=6, end=12)
     finish_prefill(pair)
     assert wait_for(pair.sender.take_finished) == {"p-req"}
+    assert not pair.d_memory[:, 11].any()
 
 
 def test_prefill_frees_blocks_nobody_reserved(make_pair):
     pair = make_pair(reservation_timeout_s=0.3)
     prefill(pair)
     finish_prefill(pair)
-    assert wait_for(pair.sender.take_finished, timeout=3) == {"p-req"}
+    assert wait_for(pair.sender.take_finished) == {"p-req"}
 
 
 def test_mismatched_layouts_are_refused_before_any_write(make_pair):

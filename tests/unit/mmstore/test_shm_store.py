@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import multiprocessing
 import subprocess
-import time
 import urllib.request
 
 import numpy as np
@@ -157,10 +156,11 @@ def test_missing_keys_are_none_and_deletes_and_pins_work(spec):
         assert store.pin("nope") is None
         store.put("pinned", np.ones(1000, np.uint8), META)
         assert store.pin("pinned") == META
-        assert store.delete("pinned") is False  # a consumer holds it (same connection:
-        # the server takes the hold before the delete)
+        # Pins and unpins are not answered, but they travel on the same connection as
+        # the deletes, whose messages the server handles in order: the hold is taken
+        # before the first delete, and given back before the second.
+        assert store.delete("pinned") is False  # a consumer holds it
         store.unpin("pinned")
-        time.sleep(0.05)  # unpin is not acknowledged
         assert store.delete("pinned") is True and store.get("pinned") is None
 
 
@@ -210,10 +210,9 @@ def test_a_client_follows_the_store_server_through_a_restart():
 
 
 def test_unreachable_store_raises_store_error_quickly():
-    start = time.monotonic()
-    with pytest.raises(StoreError):
+    # The client's own bounded wait gives up (2 s), rather than a hang cut short.
+    with pytest.raises(StoreError, match=r"did not answer in 2000 ms"):
         open_store(StoreSpec(backend="shm", port=free_port_block(1, start=27000)))
-    assert time.monotonic() - start < 5
 
 
 def test_an_arena_left_by_a_killed_server_is_removed_by_the_next_one():
