@@ -147,6 +147,10 @@ class Sender:
         self.incarnation = f"{engine_id}:{rank}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._lock = threading.Lock()
         self._transfers: dict[str, Outgoing] = {}
+        # Transfers this worker is done with -> (outcome, when), kept for
+        # reservation_timeout_s: a late chunk or a second reservation of one is
+        # answered at once instead of waiting out a timeout.
+        self._ended: dict[str, tuple[str, float]] = {}
         self._in_flight: dict[int, InFlight] = {}  # by id(write)
         self._finished_sending: set[str] = set()
         self._jobs: queue.Queue[Job | None] = queue.Queue()
@@ -178,7 +182,7 @@ class Sender:
         self._last_layer_at = None
         with self._lock:
             for chunk in self._chunks:
-                out = self._transfers.setdefault(chunk.transfer_id, Outgoing(chunk.transfer_id))
+                out = self._transfer(chunk.transfer_id)
                 out.request_id = chunk.request_id
                 out.mode = chunk.mode or self.settings.mode
                 out.fault = chunk.fault if self.settings.fault_injection else None
@@ -425,6 +429,9 @@ class Sender:
             with self._lock:
                 out = self._transfers.get(message.transfer_id)
                 if out is None:
+                    # Decode gave up before this worker saw the request (or after it was
+                    # done): its chunks, if they come, are settled at once.
+                    self._ended.setdefault(message.transfer_id, ("cancelled", time.monotonic()))
                     self.channel.post(peer, msg.encode(msg.Released(message.transfer_id)))
                     return
                 out.peer = peer
@@ -442,15 +449,23 @@ class Sender:
             error = f"block size {res.block_size}, prefill uses {self.block_size}"
         else:
             error = check_compatible(self.layouts, res.layout)
+        backlog: list[Job] = []
+        with self._lock:
+            ended = None if res.transfer_id in self._transfers else \
+                self._ended.get(res.transfer_id)
+            if ended and not error:
+                # A decode instance retrying a request another one started: the transfer
+                # is over here, so decode computes the prompt itself, now.
+                error = f"transfer {res.transfer_id} already ended on this prefill ({ended[0]})"
+            if not error:
+                out = self._transfers.setdefault(res.transfer_id, Outgoing(res.transfer_id))
+                out.reservation, out.peer = res, peer
+                backlog, out.backlog = out.backlog, []
+                out.queued += len(backlog)
         if error:
             logger.warning("epd-kv: refused reservation %s: %s", res.transfer_id, error)
             self.channel.post(peer, msg.encode(msg.Ack(res.transfer_id, self.incarnation, error)))
             return
-        with self._lock:
-            out = self._transfers.setdefault(res.transfer_id, Outgoing(res.transfer_id))
-            out.reservation, out.peer = res, peer
-            backlog, out.backlog = out.backlog, []
-            out.queued += len(backlog)
         self.channel.post(peer, msg.encode(msg.Ack(res.transfer_id, self.incarnation)))
         for job in backlog:
             self._jobs.put(job)
@@ -477,10 +492,23 @@ class Sender:
                 else:
                     continue
                 self._settle(out)
+            for transfer_id, (_, ended_at) in list(self._ended.items()):
+                if now - ended_at > limit:
+                    del self._ended[transfer_id]
 
     # -- state changes (caller holds the lock) ------------------------------
+    def _transfer(self, transfer_id: str) -> Outgoing:
+        """The transfer's record, made on first sight; one this worker already ended
+        comes back ended, so its jobs settle without waiting for anything."""
+        out = self._transfers.get(transfer_id)
+        if out is None:
+            out = self._transfers[transfer_id] = Outgoing(transfer_id)
+            if transfer_id in self._ended:
+                out.outcome = self._ended[transfer_id][0]
+        return out
+
     def _finish(self, finished: msg.FinishedSend) -> None:
-        out = self._transfers.setdefault(finished.transfer_id, Outgoing(finished.transfer_id))
+        out = self._transfer(finished.transfer_id)
         out.request_id = finished.request_id
         out.finished_at = time.monotonic()
         if finished.aborted or not out.all_queued:
@@ -516,9 +544,11 @@ class Sender:
             out.announced_failure = False
         if out.finished_at is not None and out.request_id is not None:
             self._finished_sending.add(out.request_id)
-            del self._transfers[out.transfer_id]
-        elif out.request_id is None and out.outcome != "done":
-            del self._transfers[out.transfer_id]  # a reservation nobody will use
+        elif not (out.request_id is None and out.outcome != "done"):
+            return  # the request is still running here
+        # Its blocks are released (finished), or it was a reservation nobody will use.
+        del self._transfers[out.transfer_id]
+        self._ended[out.transfer_id] = (out.outcome, time.monotonic())
 
     def _transfer_stats(self, out: Outgoing) -> msg.TransferStats:
         starts = [s for s, _ in out.intervals] or [out.forward_end or 0.0]

@@ -15,6 +15,10 @@ from epd_serve.connectors.epd_kv.transfer import Link, TransferError, Write
 from .test_epd_kv_transfer import (  # noqa: F401  (make_pair is a fixture)
     CPU_TENSOR,
     LAYERS,
+    Receiver,
+    Settings,
+    acknowledged,
+    finish_prefill,
     make_pair,
     prefill,
     recv_plan,
@@ -108,6 +112,51 @@ def test_a_preempted_request_with_writes_running_fails_at_once(make_pair):
     assert not stalled, "the engine step waited for the preempted request's writes"
     got = results_or_failure(pair)
     assert got["failed"] == {"d-req"} and "preempted" in got["reports"]["d-req"]["reason"]
+
+
+# Far past any test here: only the behaviour under test can end a wait for a reply.
+NEVER_S = 60.0
+
+
+def test_a_cancel_that_reaches_prefill_before_the_request_frees_its_blocks_at_once(make_pair):
+    pair = make_pair(reservation_timeout_s=NEVER_S)
+    pair.receiver.reserve(recv_plan(pair))
+    acknowledged(pair)
+    pair.receiver.abort({"d-req"})  # decode's client left before prefill got the request
+    assert results(pair)["reports"]["d-req"]["outcome"] == "cancelled"
+    wait_for(lambda: "t1" not in pair.sender._transfers, what="prefill dropping the transfer")
+    prefill(pair)  # the request reaches prefill after all
+    finish_prefill(pair)
+    assert wait_for(pair.sender.take_finished, what="prefill freeing the blocks") == {"p-req"}
+    assert not pair.d_memory.any()  # nothing was written for a cancelled transfer
+
+
+def test_a_second_reservation_of_an_ended_transfer_is_refused_at_once(make_pair):
+    """A decode instance that dies mid-request has the proxy send the request to the
+    next decoder, with the same transfer: prefill, which is done with it, says so."""
+    pair = make_pair(ack_timeout_s=NEVER_S, reservation_timeout_s=NEVER_S)
+    pair.receiver.reserve(recv_plan(pair))
+    acknowledged(pair)
+    prefill(pair)
+    assert results(pair)["reports"]["d-req"]["outcome"] == "done"
+    finish_prefill(pair)
+    assert wait_for(pair.sender.take_finished) == {"p-req"}
+    retry = Receiver(pair.receiver.layouts, pair.receiver.block_size, "d2-engine", 0,
+                     "d2-session", pair.settings, pair.receiver.stats)
+    retry.start()
+    try:
+        retry.reserve(recv_plan(pair))
+        collected = {}
+
+        def failed():
+            _, failed, reports = retry.take_results()
+            collected.update(reports)
+            return failed
+
+        assert wait_for(failed, what="the retried reservation refused") == {"d-req"}
+        assert "already ended" in collected["d-req"]["reason"]
+    finally:
+        retry.close()
 
 
 class Engine:
