@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import pytest
 
-from epd_serve.mmstore import StoreSpec
-from epd_serve.mmstore.service import StartedStore
 from epd_serve.payloads import chat_body
 from epd_serve.proxy.config import InstanceEntry
 from epd_serve.proxy.features import image_key
 from epd_serve.proxy.routing import Roster, StagePlan, down_hops, plan_stages, with_stand_in
 from epd_serve.proxy.state import InstanceTable
 
-from ..ports import free_port_block
+from ..stores import started_shm_store
 from .test_proxy import IMAGE, ascend_deployment, chat, deployment, wait_for
 
 EPD = Roster(encoders=True, split=True, merged=False)
@@ -96,10 +94,7 @@ def test_with_every_prefill_down_decode_runs_text_and_images_whole(stream):
 
 @pytest.fixture(scope="module")
 def store_spec():
-    base = free_port_block(3, start=28500)
-    spec = StoreSpec(backend="shm", port=base, metrics_port=base + 1, capacity_bytes=4 << 20,
-                     name="proxy-degraded")
-    with StartedStore(spec):
+    with started_shm_store("proxy-degraded", 4 << 20, port_start=28500) as spec:
         yield spec
 
 

@@ -15,12 +15,11 @@ import httpx
 
 from epd_serve.fake_server import ThreadedServer, create_fake_app
 from epd_serve.mmstore import FeatureMeta, StoreSpec, open_store
-from epd_serve.mmstore.service import StartedStore
 from epd_serve.payloads import chat_body
 from epd_serve.proxy import ProxyConfig, create_app
 from epd_serve.proxy.features import image_key
 
-from ..ports import free_port_block
+from ..stores import started_shm_store
 from .proxy_harness import ProxyThread, tiny_image
 
 IMAGE = tiny_image(1)
@@ -30,10 +29,7 @@ DROPPED_IMAGE = tiny_image(3)
 
 @pytest.fixture(scope="module")
 def store_spec():
-    base = free_port_block(3, start=28000)
-    spec = StoreSpec(backend="shm", port=base, metrics_port=base + 1, capacity_bytes=4 << 20,
-                     name="proxy-unit")
-    with StartedStore(spec):
+    with started_shm_store("proxy-unit", 4 << 20, port_start=28000) as spec:
         yield spec
 
 

@@ -16,10 +16,10 @@ from epd_serve.connectors.epd_ec.prefetch import Prefetcher
 from epd_serve.connectors.epd_ec.scheduler import EPDECScheduler
 from epd_serve.connectors.epd_ec.settings import Settings
 from epd_serve.connectors.epd_ec.codec import to_bytes, to_tensor
-from epd_serve.mmstore import FeatureMeta, StoreSpec, open_store
-from epd_serve.mmstore.service import StartedStore
+from epd_serve.mmstore import FeatureMeta, open_store
 
 from ...ports import free_port_block
+from ...stores import started_shm_store
 from ...waiting import wait_for
 
 GRID = {"image_grid_thw": [1, 4, 4]}
@@ -27,10 +27,7 @@ GRID = {"image_grid_thw": [1, 4, 4]}
 
 @pytest.fixture(scope="module")
 def spec():
-    base = free_port_block(2, start=29000)
-    spec = StoreSpec(backend="shm", port=base, metrics_port=base + 1, capacity_bytes=8 << 20,
-                     name="ec-unit")
-    with StartedStore(spec):
+    with started_shm_store("ec-unit", 8 << 20, port_start=29000) as spec:
         yield spec
 
 

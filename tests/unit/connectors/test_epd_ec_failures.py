@@ -12,10 +12,9 @@ import torch
 from epd_serve.connectors.epd_ec.scheduler import ECStep
 from epd_serve.connectors.epd_ec.settings import Settings
 from epd_serve.connectors.epd_ec.worker import EPDECWorker, FeatureUnavailable
-from epd_serve.mmstore import FeatureMeta, StoreError, StoreSpec, open_store
-from epd_serve.mmstore.service import StartedStore
+from epd_serve.mmstore import FeatureMeta, StoreError, open_store
 
-from ...ports import free_port_block
+from ...stores import started_shm_store
 from .test_epd_ec import feature, request, scheduler
 
 EMBEDS, HIDDEN = 4, 8
@@ -23,10 +22,7 @@ EMBEDS, HIDDEN = 4, 8
 
 @pytest.fixture(scope="module")
 def spec():
-    base = free_port_block(2, start=29100)
-    spec = StoreSpec(backend="shm", port=base, metrics_port=base + 1, capacity_bytes=8 << 20,
-                     name="ec-failures")
-    with StartedStore(spec):
+    with started_shm_store("ec-failures", 8 << 20, port_start=29100) as spec:
         yield spec
 
 

@@ -16,7 +16,6 @@ from .test_epd_kv_transfer import (  # noqa: F401  (make_pair is a fixture)
     CPU_TENSOR,
     LAYERS,
     Receiver,
-    Settings,
     acknowledged,
     finish_prefill,
     make_pair,
@@ -46,26 +45,11 @@ def test_an_error_while_submitting_fails_the_transfer_instead_of_settling_it(mak
     pair.receiver.reserve(recv_plan(pair))
     wait_for(lambda: pair.sender._transfers.get("t1") and pair.sender._transfers["t1"].reservation)
     prefill(pair)
-    got = results_or_failure(pair)
+    got = results(pair)
     # Not one layer reached decode: it must hear "failed" (and recompute), never "done".
     assert got["failed"] == {"d-req"}
     assert "went away" in got["reports"]["d-req"]["reason"]
     assert not pair.d_memory.any()
-
-
-def results_or_failure(pair):
-    """Like `results`, but also returns when the transfer failed."""
-    collected = {"finished": set(), "failed": set(), "reports": {}}
-
-    def poll():
-        finished, failed, reports = pair.receiver.take_results()
-        collected["finished"] |= finished
-        collected["failed"] |= failed
-        collected["reports"].update(reports)
-        return collected["finished"] or collected["failed"]
-
-    wait_for(poll)
-    return collected
 
 
 def test_the_models_thread_never_waits_for_a_submit_on_the_network(make_pair):
@@ -110,7 +94,7 @@ def test_a_preempted_request_with_writes_running_fails_at_once(make_pair):
     stalled = step.is_alive()
     pair.link.hold.set()
     assert not stalled, "the engine step waited for the preempted request's writes"
-    got = results_or_failure(pair)
+    got = results(pair)
     assert got["failed"] == {"d-req"} and "preempted" in got["reports"]["d-req"]["reason"]
 
 
