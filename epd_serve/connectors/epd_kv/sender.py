@@ -492,9 +492,11 @@ class Sender:
                 else:
                     continue
                 self._settle(out)
-            for transfer_id, (_, ended_at) in list(self._ended.items()):
-                if now - ended_at > limit:
-                    del self._ended[transfer_id]
+            while self._ended:  # oldest first (insertion order): stop at the first fresh
+                oldest = next(iter(self._ended))
+                if now - self._ended[oldest][1] <= limit:
+                    break
+                del self._ended[oldest]
 
     # -- state changes (caller holds the lock) ------------------------------
     def _transfer(self, transfer_id: str) -> Outgoing:
