@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import NoReturn
 
 import torch
 
@@ -160,7 +161,7 @@ class EPDECWorker:
                 time.sleep(delay)
                 delay = min(2 * delay, 1.0)
 
-    def _give_up(self, key: str, why: str):
+    def _give_up(self, key: str, why: str) -> NoReturn:
         message = (f"epd-ec could not load pinned feature {key}: {why}. Stopping this engine "
                    "rather than computing requests without it (its requests fail with an "
                    "error; the launcher restarts it)")
