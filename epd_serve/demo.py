@@ -23,6 +23,8 @@ from epd_serve.payloads import chat_body, image_data_url, make_image
 from epd_serve.progress import explain_failure, instance_status
 from epd_serve.proxy.upstream import error_message
 
+COUNTERS_WAIT_S = 10.0
+
 
 def describe(delta: Counters | str) -> str:
     """Human summary of what one instance did for one request (or why nobody knows)."""
@@ -60,14 +62,30 @@ def read_counters(client: httpx.Client, dep) -> dict[str, Counters | str]:
 def traced_request(client: httpx.Client, dep, body: dict, path: str = "/v1/chat/completions",
                    ) -> tuple[httpx.Response, float, dict[str, Counters | str]]:
     """Send one request through the proxy; return it, its latency and per-instance deltas
-    (an instance that could not be read before or after gives why, not a delta)."""
+    (an instance that could not be read before or after gives why, not a delta). The
+    engines publish their counters a moment after they answer: the deltas are read
+    once they hold the tokens the answer says were generated (at most COUNTERS_WAIT_S)."""
     before = read_counters(client, dep)
     start = time.perf_counter()
     resp = client.post(dep.proxy_url + path, json=body)
     latency = (time.perf_counter() - start) * 1e3
-    time.sleep(0.3)  # counters are published by the engine a moment after the reply
-    after = read_counters(client, dep)
-    return resp, latency, {name: _delta(after[name], before[name]) for name in after}
+    generated = _completion_tokens(resp)
+    deadline = time.monotonic() + COUNTERS_WAIT_S
+    while True:
+        after = read_counters(client, dep)
+        deltas = {name: _delta(after[name], before[name]) for name in after}
+        counted = sum(d.generated for d in deltas.values() if not isinstance(d, str))
+        if counted >= generated or time.monotonic() > deadline:
+            return resp, latency, deltas
+        time.sleep(0.05)
+
+
+def _completion_tokens(resp: httpx.Response) -> int:
+    """Tokens a JSON answer says it generated (0 for an error or a stream)."""
+    try:
+        return int(resp.json()["usage"]["completion_tokens"]) if resp.status_code == 200 else 0
+    except (ValueError, KeyError, TypeError):
+        return 0
 
 
 def _delta(after: Counters | str, before: Counters | str) -> Counters | str:
