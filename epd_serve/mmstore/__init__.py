@@ -11,15 +11,16 @@ from epd_serve.mmstore.spec import BACKENDS, StoreSpec
 
 
 def open_store(spec: StoreSpec, *, segment_bytes: int = 0,
-               local_host: str | None = None) -> FeatureStore:
+               local_host: str | None = None, wait_s: float = 0.0) -> FeatureStore:
     """A client of the deployment's store. `segment_bytes` > 0 makes a Mooncake client
     lend that much of its own memory to the pool; `local_host` is the address a Mooncake
     client registers under (default: the store's host, i.e. the same machine). The shm
-    backend ignores both."""
+    backend ignores both, and keeps asking a server that does not answer for `wait_s`
+    (Mooncake's client has its own connect retries)."""
     if spec.backend == "shm":
         from epd_serve.mmstore.shm import ShmStore
 
-        return ShmStore(spec)
+        return ShmStore(spec, open_wait_s=wait_s)
     from epd_serve.mmstore.mooncake import MooncakeStore
 
     return MooncakeStore(spec, segment_bytes=segment_bytes, local_host=local_host)

@@ -30,10 +30,16 @@ REPORT_EVERY = 32
 REPORT_AFTER_S = 0.2
 
 
+class NoAnswer(StoreError):
+    """The server did not answer in time (it may be busy or not started yet)."""
+
+
 class ShmStore(FeatureStore):
     name = "shm"
 
-    def __init__(self, spec: StoreSpec, timeout_s: float = 2.0):
+    def __init__(self, spec: StoreSpec, timeout_s: float = 2.0, open_wait_s: float = 0.0):
+        """`timeout_s` bounds each round trip; opening keeps asking a server that does
+        not answer for up to `open_wait_s` more (an engine starting beside busy ones)."""
         self.spec = spec
         self.timeout_ms = int(timeout_s * 1000)
         self._lock = threading.Lock()
@@ -45,7 +51,14 @@ class ShmStore(FeatureStore):
         self._reads: list[wire.Request] = []
         self._reported_at = time.monotonic()
         try:
-            self._map_arena()
+            deadline = time.monotonic() + open_wait_s
+            while True:
+                try:
+                    self._map_arena()
+                    break
+                except NoAnswer:
+                    if time.monotonic() >= deadline:
+                        raise
         except BaseException:
             self._sock.close()
             self._ctx.term()
@@ -78,7 +91,7 @@ class ShmStore(FeatureStore):
             self._sock.send(wire.encoder.encode(req))
             while True:
                 if not self._sock.poll(self.timeout_ms):
-                    raise StoreError(f"MM Store at {self.spec.address} did not answer in "
+                    raise NoAnswer(f"MM Store at {self.spec.address} did not answer in "
                                      f"{self.timeout_ms} ms; is the store server running?")
                 reply = wire.reply_decoder.decode(self._sock.recv())
                 if reply.seq == req.seq:

@@ -44,7 +44,8 @@ class EPDECScheduler:
         self.producer = producer
         self.consumer = consumer
         self.resolver = PlaceholderMetadataResolver(vllm_config.model_config)
-        self.store: FeatureStore = open_store(settings.store, local_host=settings.host)
+        self.store: FeatureStore = open_store(settings.store, local_host=settings.host,
+                                              wait_s=settings.open_timeout_s)
         self.recorder = Recorder()
         self._pins: dict[str, dict[str, bool]] = {}  # request id -> key -> pinned here
         self._pinned: Counter[str] = Counter()  # key -> requests holding a pin

@@ -25,6 +25,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     # How long a load keeps asking a store that does not answer (it may be restarting)
     # before the worker gives up on the feature, and with it on the engine.
     load_timeout_s: float = 5.0
+    # How long an engine starting waits for the store to answer: beside busy engines on
+    # a small host its first answer took over 2 s (the engine then failed to start).
+    open_timeout_s: float = 30.0
     # Mooncake backend: memory a producer lends to the pool (0: a holder process does).
     segment_bytes: int = 0
 

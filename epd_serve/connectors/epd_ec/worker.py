@@ -59,7 +59,7 @@ class EPDECWorker:
             self.device = f"{self.device}:{current_platform.current_device()}"
         self.store: FeatureStore = open_store(
             settings.store, segment_bytes=settings.segment_bytes if producer else 0,
-            local_host=settings.host)
+            local_host=settings.host, wait_s=settings.open_timeout_s)
         self.recorder = Recorder()
         # Tensor-parallel ranks all hold the whole feature. One of them stores it and
         # listens for hints (one port per instance); the others read it when needed.

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import multiprocessing
 import subprocess
+import threading
+import time
 import urllib.request
 
 import numpy as np
@@ -207,6 +209,34 @@ def test_a_client_follows_the_store_server_through_a_restart():
     finally:
         server.terminate()
         server.wait(timeout=10)
+
+
+def test_an_engine_starting_waits_for_a_store_that_answers_late():
+    """An engine opening the store beside busy ones may not get its first answer within
+    one round trip's 2 s: it keeps asking for its `wait_s`."""
+    base = free_port_block(2, start=26600)
+    spec = StoreSpec(backend="shm", port=base, metrics_port=base + 1, capacity_bytes=1 << 20,
+                     name="late")
+    opened: list = []
+    opening = threading.Thread(target=lambda: opened.append(open_store(spec, wait_s=60)))
+    opening.start()
+    server = None
+    try:
+        # Time itself is what is tested: longer than one round trip's 2 s, so the
+        # first Hello has gone unanswered.
+        time.sleep(2.5)
+        assert opening.is_alive() and not opened  # no server yet: still asking
+        server = start_server(spec)
+    finally:
+        opening.join(timeout=60)
+    try:
+        (store,) = opened
+        assert store.put("late", np.full(10, 3, np.uint8), META)
+        store.close()
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(timeout=10)
 
 
 def test_unreachable_store_raises_store_error_quickly():
