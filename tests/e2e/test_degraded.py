@@ -109,7 +109,9 @@ def serve_until_back(dep, launcher, name: str, missing: str, standin: str) -> in
     kinds = itertools.cycle(["text", "image"])
     started = time.monotonic()
     for served in itertools.count():
-        restarted = restarted or any(name in e for e in launcher.supervise_once())
+        # Every round: a restart that fails (on a busy host) is restarted again.
+        events = launcher.supervise_once()
+        restarted = restarted or any(name in e for e in events)
         if restarted and proxy_instances(dep)[name]["healthy"]:
             print(f"{name} back after {time.monotonic() - started:.0f}s; {served} requests "
                   f"served meanwhile, {stood_in} of them with FALLBACK={missing}>{standin}")

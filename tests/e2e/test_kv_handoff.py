@@ -137,6 +137,7 @@ def restart(deployments, dep, name: str) -> None:
         except httpx.HTTPError:
             pass
         assert time.monotonic() < deadline, f"{name} did not come back"
+        launcher.supervise_once()  # a restart that failed on a busy host is tried again
         time.sleep(1)
     proxy_deadline = time.monotonic() + 30
     while not all(i["healthy"] for i in httpx.get(dep.proxy_url + "/status").json()["instances"]):
