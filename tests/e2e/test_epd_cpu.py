@@ -21,7 +21,8 @@ from .conftest import STORE_CAPACITY
 
 MAX_TOKENS = 12
 
-# (E-P)-D first, so that E-P-D is still up for the load-tool tests that follow.
+# (E-P)-D first, so that E-P-D is still up for the tests that follow (test_epd_cpu_amx,
+# test_epd_cpu_degraded: pytest runs them next, by name).
 CONFIGS = ["e+p-d.yaml", "e-p-d.yaml"]
 
 

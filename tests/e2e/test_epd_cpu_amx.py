@@ -15,7 +15,7 @@ LINE = re.compile(r"epd-serve AMX tile permission in (\S+) \(pid (\d+)\): ([^:]+
 
 @pytest.fixture(scope="module")
 def dep(deployments):
-    return deployments.get("e-p-d.yaml")
+    return deployments.get("e-p-d.yaml")  # still up from test_epd_cpu, which runs first
 
 
 def permission_lines(dep, name: str) -> list[tuple[str, int, str, str]]:

@@ -25,7 +25,7 @@ SEEDS = itertools.count(5000)  # a new image every time: the encoder runs, no ca
 
 @pytest.fixture(scope="module")
 def dep(deployments):
-    return deployments.get("e-p-d.yaml")
+    return deployments.get("e-p-d.yaml")  # still up from test_epd_cpu, which runs first
 
 
 def names(dep) -> tuple[str, str, str]:
