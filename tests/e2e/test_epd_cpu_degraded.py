@@ -126,6 +126,20 @@ def serve_until_back(dep, launcher, name: str, missing: str, standin: str) -> in
     raise AssertionError("unreachable")
 
 
+def health(dep) -> httpx.Response:
+    return httpx.get(dep.proxy_url + "/health", timeout=10)
+
+
+def wait_all_healthy(dep, timeout: float) -> None:
+    until(lambda: health(dep).json()["status"] == "ok", timeout, "the deployment healthy")
+
+
+def assert_degraded(dep, stand_in: str) -> None:
+    """The proxy says it serves, with `stand_in` (e.g. "P>D") doing a lost stage's work."""
+    answer = health(dep)
+    assert answer.status_code == 200 and answer.json()["stand_ins"] == [stand_in], answer.text
+
+
 def check_normal_path(dep) -> None:
     """The hand-off runs again: P prefills, D decodes, nothing stands in."""
     before = (fallbacks(dep, "P", "D"), fallbacks(dep, "D", "P"), fallbacks(dep, "E", "P"))
@@ -135,14 +149,13 @@ def check_normal_path(dep) -> None:
         assert stages.startswith("E=e") == (kind == "image"), stages
     assert (fallbacks(dep, "P", "D"), fallbacks(dep, "D", "P"), fallbacks(dep, "E", "P")) \
         == before
-    assert httpx.get(dep.proxy_url + "/health", timeout=10).json() == {"status": "ok"}
+    assert health(dep).json() == {"status": "ok"}
 
 
 def test_with_prefill_killed_decode_serves_text_and_images_until_it_is_back(dep, deployments):
     e, p, d = names(dep)
     launcher = deployments.current[2]
-    until(lambda: httpx.get(dep.proxy_url + "/health", timeout=10).json()["status"] == "ok",
-          60, "the deployment healthy")
+    wait_all_healthy(dep, 60)
     check_normal_path(dep)
     counted = fallbacks(dep, "P", "D")
 
@@ -157,8 +170,7 @@ def test_with_prefill_killed_decode_serves_text_and_images_until_it_is_back(dep,
     assert delta[d].prompt_local == prompt and delta[d].prompt_external_kv == 0
     assert delta[d].generated == MAX_TOKENS and delta[e].requests == 0
     assert not proxy_instances(dep)[p]["healthy"]
-    health = httpx.get(dep.proxy_url + "/health", timeout=10)
-    assert health.status_code == 200 and health.json()["stand_ins"] == ["P>D"]
+    assert_degraded(dep, "P>D")
 
     resp, delta = traced(dep, body(dep, "image"), [e, d], d)
     stages = resp.headers["x-epd-stages"]
@@ -178,8 +190,7 @@ def test_with_prefill_killed_decode_serves_text_and_images_until_it_is_back(dep,
 def test_with_decode_killed_prefill_serves_text_and_images_until_it_is_back(dep, deployments):
     e, p, d = names(dep)
     launcher = deployments.current[2]
-    until(lambda: httpx.get(dep.proxy_url + "/health", timeout=10).json()["status"] == "ok",
-          RESTART_TIMEOUT_S, "the deployment healthy")
+    wait_all_healthy(dep, RESTART_TIMEOUT_S)
     counted = fallbacks(dep, "D", "P")
 
     kill_tree(launcher, d)
@@ -194,8 +205,7 @@ def test_with_decode_killed_prefill_serves_text_and_images_until_it_is_back(dep,
     # Prefill computed the prompt and, with no decode to hand the KV to, decoded.
     assert delta[p].prompt_local == prompt and delta[p].generated == MAX_TOKENS
     assert delta[p].kv_transfers == 0
-    health = httpx.get(dep.proxy_url + "/health", timeout=10)
-    assert health.status_code == 200 and health.json()["stand_ins"] == ["D>P"]
+    assert_degraded(dep, "D>P")
 
     resp, delta = traced(dep, body(dep, "image"), [e, p], p)
     stages = resp.headers["x-epd-stages"]
@@ -212,8 +222,7 @@ def test_with_decode_killed_prefill_serves_text_and_images_until_it_is_back(dep,
 def test_with_the_encoder_killed_prefill_encodes_images_until_it_is_back(dep, deployments):
     e, p, d = names(dep)
     launcher = deployments.current[2]
-    until(lambda: httpx.get(dep.proxy_url + "/health", timeout=10).json()["status"] == "ok",
-          RESTART_TIMEOUT_S, "the deployment healthy")
+    wait_all_healthy(dep, RESTART_TIMEOUT_S)
     counted = fallbacks(dep, "E", "P")
 
     kill_tree(launcher, e)
@@ -226,8 +235,7 @@ def test_with_the_encoder_killed_prefill_encodes_images_until_it_is_back(dep, de
     assert delta[p].ec_encoded_locally == 1 and delta[p].ec_loaded == 0
     assert delta[p].prompt_local == resp.json()["usage"]["prompt_tokens"]
     assert delta[d].generated == MAX_TOKENS
-    health = httpx.get(dep.proxy_url + "/health", timeout=10)
-    assert health.status_code == 200 and health.json()["stand_ins"] == ["E>P"]
+    assert_degraded(dep, "E>P")
 
     stood_in = serve_until_back(dep, launcher, e, "E", "P")
     assert fallbacks(dep, "E", "P") - counted == 1 + stood_in

@@ -92,6 +92,17 @@ def test_with_every_prefill_down_decode_runs_text_and_images_whole(stream):
                                  "stand_ins": ["P>D"]}
 
 
+def set_url(d, name: str, url: str) -> None:
+    """Point the proxy's entry for instance `name` at `url` (in the proxy's own loop)."""
+    d.proxy.call(lambda: setattr(d.proxy.proxy.table.get(name).entry, "url", url))
+
+
+def refuse_connections(d, name: str) -> None:
+    """Make instance `name` refuse connections, as right after its process died (the
+    proxy still counts it healthy until a probe or a request finds out)."""
+    set_url(d, name, "http://127.0.0.1:9")
+
+
 @pytest.fixture(scope="module")
 def store_spec():
     with started_shm_store("proxy-degraded", 4 << 20, port_start=28500) as spec:
@@ -124,8 +135,7 @@ def test_a_prefill_that_dies_under_a_request_is_stood_in_for_by_decode_at_once()
     # right after its process died: the request is planned again with decode alone, and
     # p0 is out for the requests after it.
     with deployment(["P", "D"], health_interval_s=60) as d:
-        d.proxy.call(lambda: setattr(d.proxy.proxy.table.get("p0").entry, "url",
-                                     "http://127.0.0.1:9"))
+        refuse_connections(d, "p0")
         first = chat(d, "x", max_tokens=3)
         assert first.status_code == 200, first.text
         assert "P=p0!" in first.headers["x-epd-stages"]
@@ -142,11 +152,10 @@ def test_a_prefill_that_dies_under_a_request_is_stood_in_for_by_decode_at_once()
 def test_prefill_comes_back_and_the_hand_off_resumes():
     with deployment(["P", "D"]) as d:
         url = d.proxy.proxy.table.get("p0").entry.url
-        d.proxy.call(lambda: setattr(d.proxy.proxy.table.get("p0").entry, "url",
-                                     "http://127.0.0.1:9"))
+        refuse_connections(d, "p0")
         wait_for(lambda: d.client.get("/health").json()["status"] == "degraded", "P out")
         assert chat(d, "x").headers["x-epd-stages"].endswith("FALLBACK=P>D")
-        d.proxy.call(lambda: setattr(d.proxy.proxy.table.get("p0").entry, "url", url))
+        set_url(d, "p0", url)
         wait_for(lambda: d.client.get("/health").json()["status"] == "ok", "P back")
         resp = chat(d, "y")
         assert resp.status_code == 200
@@ -182,8 +191,7 @@ def test_with_every_decode_down_prefill_runs_text_and_images_whole(stream):
 
 def test_a_decode_that_dies_under_a_request_is_stood_in_for_by_prefill():
     with deployment(["P", "D"], health_interval_s=60) as d:
-        d.proxy.call(lambda: setattr(d.proxy.proxy.table.get("d1").entry, "url",
-                                     "http://127.0.0.1:9"))
+        refuse_connections(d, "d1")
         resp = chat(d, "x", max_tokens=3)
         assert resp.status_code == 200, resp.text
         stages = resp.headers["x-epd-stages"]
@@ -229,8 +237,7 @@ def test_with_both_ends_down_text_is_refused_and_health_says_unavailable():
 # -- the other hand-offs take the same stand-ins ------------------------------------------------
 def test_ascend_layerwise_with_prefill_down_sends_decode_a_plain_request():
     with ascend_deployment(["P", "D"]) as d:
-        d.proxy.call(lambda: setattr(d.proxy.proxy.table.get("p0").entry, "url",
-                                     "http://127.0.0.1:9"))
+        refuse_connections(d, "p0")
         wait_for(lambda: d.client.get("/health").json()["status"] == "degraded", "P out")
         resp = d.client.post("/v1/completions", json={"model": "fake", "prompt": "hi",
                                                       "max_tokens": 3})
