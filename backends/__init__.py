@@ -1,5 +1,23 @@
-"""HAL implementations, one subpackage per platform (`epd_serve.backends.<name>`).
+"""HAL implementations, one subpackage per platform, and the registry that finds them by name.
 
-Each subpackage exposes `PLATFORM`, an `epd_serve.hal.Platform`. Importing one must not
-import its hardware packages: those load lazily in `check_available()`.
+Each subpackage exposes `PLATFORM`, an `epd_serve.engines.hal.Platform`. Importing one
+must not import its hardware packages: those load lazily in `check_available()`.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from epd_serve.engines.hal import Platform
+
+# The one list of platforms: deployment files, profiles and the CLI derive theirs from it.
+PLATFORMS = ("cpu", "cuda", "ascend")
+
+
+def get_platform(name: str) -> Platform:
+    """Resolve a backend by name; imports only that backend's module."""
+    if name not in PLATFORMS:
+        raise ValueError(f"unknown platform {name!r}; choose one of {', '.join(PLATFORMS)}")
+    return importlib.import_module(f"epd_serve.backends.{name}").PLATFORM

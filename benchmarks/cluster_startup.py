@@ -19,9 +19,9 @@ import time
 
 import httpx
 
-from epd_serve import deploy
-from epd_serve.payloads import chat_body, image_data_url, make_image
-from epd_serve.progress import warm_up
+from epd_serve.runtime import deploy
+from epd_serve.engines.payloads import chat_body, image_data_url, make_image
+from epd_serve.runtime.progress import warm_up
 
 CONFIGS = {"one host": "configs/cpu/e-p-d.yaml", "three Ray nodes": "configs/cpu/ray-e-p-d.yaml"}
 

@@ -15,10 +15,10 @@ import argparse
 import httpx
 import numpy as np
 
-from epd_serve import deploy
+from epd_serve.runtime import deploy
 from epd_serve.bench.metrics import SLO
 from epd_serve.bench.runner import Bodies, LoadSpec, run_once
-from epd_serve.instance_metrics import parse_prometheus
+from epd_serve.engines.instance_metrics import parse_prometheus
 
 PAIRS = [  # (our number, vLLM histogram)
     ("TTFT", "vllm:time_to_first_token_seconds"),

@@ -18,8 +18,8 @@ import time
 import httpx
 from proxy_real import pin_encoders  # benchmarks/ is on the path when run as a script
 
-from epd_serve import deploy
-from epd_serve.payloads import image_data_url, make_image
+from epd_serve.runtime import deploy
+from epd_serve.engines.payloads import image_data_url, make_image
 from epd_serve.proxy.features import image_key
 
 SIDE = 672

@@ -26,8 +26,8 @@ from pathlib import Path
 import httpx
 from rich.progress import Progress
 
-from epd_serve import deploy
-from epd_serve.payloads import chat_body, image_data_url, make_image
+from epd_serve.runtime import deploy
+from epd_serve.engines.payloads import chat_body, image_data_url, make_image
 
 REPO = Path(__file__).resolve().parents[1]
 TIMING_RE = re.compile(r"epd-kv-timing role=decode request=(\S+) recv_start=([\d.]+) "

@@ -40,8 +40,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from epd_serve import deploy
-from epd_serve.tinymodel import Shape, build_tiny_model, is_model_dir
+from epd_serve.runtime import deploy
+from epd_serve.engines.tinymodel import Shape, build_tiny_model, is_model_dir
 
 REPO = Path(__file__).resolve().parents[1]
 MODES = ("whole", "layer", "group")

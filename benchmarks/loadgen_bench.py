@@ -35,7 +35,7 @@ CHUNK = (b'data: {"id":"x","object":"chat.completion.chunk","choices":[{"index":
 
 def instant_server(port: int) -> None:
     """An OpenAI-shaped server that answers every request at once with one token.
-    aiohttp.web rather than epd_serve.fake_server (FastAPI): on a two-core machine the
+    aiohttp.web rather than epd_serve.testing.fake_server (FastAPI): on a two-core machine the
     server shares the cores with the generator, so it must cost as little as possible."""
 
     async def chat(request: web.Request) -> web.StreamResponse:

@@ -1,6 +1,6 @@
 """The proxy's own overhead, measured against instant fake instances.
 
-Starts one fake instance process per role (E, P, D: `python -m epd_serve.fake_server
+Starts one fake instance process per role (E, P, D: `python -m epd_serve.testing.fake_server
 --forget-requests`, which answers at once) and measures one fake directly; then
 starts the proxy (`--proxy-cmd`, its own process) in front of the three fakes with the
 "epd" KV hand-off and measures the same requests through it. The load client runs in
@@ -76,7 +76,7 @@ from rich.table import Table
 from epd_serve.bench.arrivals import poisson
 from epd_serve.bench.client import SPIN_WINDOW_S
 from epd_serve.bench.client import run as run_loop
-from epd_serve.payloads import chat_body, image_data_url, make_image
+from epd_serve.engines.payloads import chat_body, image_data_url, make_image
 
 REPO = Path(__file__).resolve().parents[1]
 OUT_DIR = REPO / "results" / "proxy"
@@ -421,7 +421,7 @@ def main() -> int:
                         "output; files get a -<label> suffix unless it is the default")
     parser.add_argument("--fake-cmd", default=None,
                         help="command that runs one fake instance, given --port N --name X "
-                             "after it (default: '<python> -m epd_serve.fake_server "
+                             "after it (default: '<python> -m epd_serve.testing.fake_server "
                              "--forget-requests')")
     parser.add_argument("--out-dir", type=Path, default=OUT_DIR)
     args = parser.parse_args()
@@ -476,7 +476,7 @@ def measure(args, children: Children, work: Path, proxy_argv: list[str], seconds
     bodies = build_bodies()
     fakes = {role: free_port() for role in ("E", "P", "D")}
     fake_argv = (shlex.split(args.fake_cmd) if args.fake_cmd else
-                 [args.python, "-m", "epd_serve.fake_server", "--forget-requests"])
+                 [args.python, "-m", "epd_serve.testing.fake_server", "--forget-requests"])
     for role, port in fakes.items():
         name = f"fake-{role.lower()}"
         children.start(name, [*fake_argv, "--port", str(port), "--name", name])

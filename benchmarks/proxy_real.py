@@ -47,13 +47,13 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from epd_serve import deploy  # noqa: E402
+from epd_serve.runtime import deploy  # noqa: E402
 from epd_serve.bench.arrivals import poisson  # noqa: E402
 from epd_serve.bench.client import run, run_schedule  # noqa: E402
 from epd_serve.bench.metrics import SLO, summarize  # noqa: E402
 from epd_serve.bench.stages import parse as parse_stages  # noqa: E402
-from epd_serve.launcher import proxy_config  # noqa: E402
-from epd_serve.payloads import chat_body, image_data_url, make_image  # noqa: E402
+from epd_serve.runtime.plan import proxy_config  # noqa: E402
+from epd_serve.engines.payloads import chat_body, image_data_url, make_image  # noqa: E402
 
 OUT = Path("results/proxy")
 VARIANTS = {

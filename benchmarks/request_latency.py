@@ -17,8 +17,10 @@ from collections import defaultdict
 
 import httpx
 
-from epd_serve import config, deploy
-from epd_serve.payloads import chat_body, image_data_url, make_image
+from epd_serve.deployment import config
+
+from epd_serve.runtime import deploy
+from epd_serve.engines.payloads import chat_body, image_data_url, make_image
 
 STAGE_RE = re.compile(r"(\w+)=(\w+):([\d.]+)ms")
 

@@ -20,13 +20,11 @@ import numpy as np
 
 from rich.console import Console
 
-from epd_serve import deploy
+from epd_serve.runtime import deploy
 from epd_serve.bench import arrivals, runner
 from epd_serve.bench.metrics import SLO, summarize
 from epd_serve.bench.report import write_report
-from epd_serve.planner import profile as profiles
-from epd_serve.planner import simulator
-
+from epd_serve.planner import profile as profiles, simulator
 METRICS = (("ttft_ms", "median"), ("ttft_ms", "avg"), ("tpot_ms", "median"), ("tpot_ms", "avg"))
 
 

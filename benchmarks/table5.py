@@ -14,11 +14,10 @@ import argparse
 
 import itertools
 
-from epd_serve import topology
+from epd_serve.topology import notation
 from epd_serve.bench import arrivals, workloads
 from epd_serve.bench.metrics import SLO
-from epd_serve.planner import profile as profiles
-from epd_serve.planner import simulator
+from epd_serve.planner import profile as profiles, simulator
 
 # Table 5: deployment (ours), paper's name, NPUs, TTFT ms, TPOT ms, SLO attainment,
 # per-NPU effective throughput (tokens/s).
@@ -53,15 +52,15 @@ def main() -> None:
     print(f"{'':10s} {'':>4s} | {'paper':>7s} {'sim':>8s} | {'paper':>6s} {'sim':>7s} | "
           f"{'paper':>7s} {'sim':>8s} | {'paper':>7s} {'sim':>8s}")
     paper_att, sim_att = [], []
-    for notation, name, npus, ttft, tpot, att, eff in TABLE5:
-        plan = topology.parse(notation)
-        assert plan.num_devices == npus, notation
+    for deployment, name, npus, ttft, tpot, att, eff in TABLE5:
+        plan = notation.parse(deployment)
+        assert plan.num_devices == npus, deployment
         rows = []
         for seed in range(args.seeds):
             specs = workloads.load_workload("sharegpt4o", args.num_requests, 64, seed=seed)
             offsets = arrivals.poisson(len(specs), args.rate, seed=seed)
             run, _ = simulator.simulate(simulator.instances_of(plan), prof, specs, offsets, slo,
-                                        args.rate, npus, notation)
+                                        args.rate, npus, deployment)
             rows.append(run.summary)
         mean = lambda f: sum(f(s) for s in rows) / len(rows)  # noqa: E731
         s_ttft, s_tpot = mean(lambda s: s["ttft_ms"]["avg"]), mean(lambda s: s["tpot_ms"]["avg"])

@@ -15,11 +15,12 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from epd_serve.proxy.guards import Limits
+from epd_serve.proxy.scores import PRESETS, resolve
 
-# Policies by name (proxy/routing.py); hash-affinity only makes sense for encoders,
-# whose work depends on the image alone.
-Policy = Literal["round-robin", "least-loaded", "size-weighted", "power-of-two",
-                 "hash-affinity"]
+# A stage's routing policy: a preset by name, or scorer weights such as
+# {hash-affinity: 1, least-loaded: 0.5} (names and formulas: proxy/scores.py).
+Preset = Literal[tuple(PRESETS)]  # type: ignore[valid-type]
+Policy = Preset | dict[str, float]
 STAGE_LETTERS = frozenset("EPD")
 
 
@@ -49,7 +50,8 @@ class InstanceEntry(BaseModel):
 
 
 class RoutingSettings(BaseModel):
-    """How the proxy picks an instance for each hop (proxy/routing.py)."""
+    """How the proxy picks an instance for each hop (proxy/routing.py): per stage a
+    preset name or `{scorer: weight}` (proxy/scores.py)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -77,10 +79,17 @@ class RoutingSettings(BaseModel):
     metrics_interval_s: float = Field(1.0, gt=0, description="How often each engine's own "
                                       "/metrics (running, waiting, KV use) is read.")
 
+    @field_validator("E", "P", "D")
+    @classmethod
+    def _known_scorers(cls, value: Policy) -> Policy:
+        resolve(value)  # raises, naming the unknown scorer or the bad weight
+        return value
+
     @model_validator(mode="after")
     def _affinity_is_for_encoders(self) -> "RoutingSettings":
+        # Only an encoder's work depends on the image alone.
         for stage in ("P", "D"):
-            if getattr(self, stage) == "hash-affinity":
+            if resolve(getattr(self, stage)).affinity:
                 raise ValueError(f"routing.{stage}: hash-affinity routes by image content and "
                                  "only applies to encoders (E)")
         return self

@@ -17,7 +17,7 @@ from collections import defaultdict
 
 from epd_serve.proxy.errors import ProxyError
 from epd_serve.proxy.features import Images
-from epd_serve.proxy.routing import RouteRequest, Router
+from epd_serve.proxy.routing import Router, RouteRequest
 from epd_serve.proxy.state import InstanceState
 from epd_serve.proxy.trip import StageRecord, Trip
 from epd_serve.proxy.upstream import Upstream, single_token
@@ -49,7 +49,7 @@ class Encoder:
                 raise NoEncoder(503, "no healthy encoder (E) instance: requests with images "
                                 "are refused until one is back; text requests are served",
                                 "service_unavailable", reason="no_encoder")
-            if self.fan_out and self.router.policy("E").name != "hash-affinity":
+            if self.fan_out and not self.router.policy("E").affinity:
                 # Spread this request's own images: the table does not count them yet.
                 best = min(order, key=lambda e: (planned[id(e)], order.index(e)))
                 order = [best, *(e for e in order if e is not best)]

@@ -1,10 +1,14 @@
 """Where a request goes: which stages it takes (a pure decision returning a StagePlan)
-and which instance runs each hop (filter -> scorer -> picker, one policy per stage).
+and which instance runs each hop (filter -> scorers -> picker, one policy per stage).
 
 Runs inside the proxy process, on every request: no I/O, no awaits. The load numbers
 it reads (in-flight hops, the engine's own running/waiting/KV use) are kept current by
-state.Lease and membership.py. A new policy is one scorer (and picker) plus a line in
-POLICIES.
+state.Lease and membership.py. Each scorer gives every candidate a score in [0, 1],
+higher better, relative to the others in this decision; a policy is a weighted sum of
+scorers (a preset name, or weights from the deployment file), its best total first,
+ties going round in turn. A new scorer is a line in SCORE here and its name in
+proxy/scores.py, which holds the names, presets and formulas (config.py checks the
+deployment file against them without importing this module).
 
 Hops are named by what the instance does for the request: "E" (encode), "P" (prefill
 whose KV is handed to decode), "D" (decode with that KV) and "PD" (an instance that
@@ -18,37 +22,15 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import random
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import xxhash
 
-from epd_serve.proxy.state import InstanceState
+from epd_serve.proxy.scores import AFFINITY, KEYLESS, by_rank, describe, relative, resolve
+from epd_serve.proxy.state import HOPS, InstanceState, Roster, serves
 
 
 # -- which stages -------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class Roster:
-    """What the deployment offers right now, as far as the stage decision cares."""
-
-    encoders: bool  # encoder-only instances are configured (healthy or not)
-    split: bool  # prefill-only and decode-only instances: KV is handed off
-    merged: bool  # instances that prefill and decode a request themselves
-
-    @classmethod
-    def of(cls, instances: Iterable[InstanceState]) -> "Roster":
-        pools = {hop: False for hop in HOPS}
-        for inst in instances:
-            for hop in HOPS:
-                pools[hop] = pools[hop] or serves(inst, hop)
-        return cls(encoders=pools["E"], split=pools["P"] and pools["D"], merged=pools["PD"])
-
-    @property
-    def hops(self) -> tuple[str, ...]:
-        """The hops the deployment has (healthy or not)."""
-        return tuple(hop for hop, has in (("E", self.encoders), ("P", self.split),
-                                          ("D", self.split), ("PD", self.merged)) if has)
-
-
 @dataclasses.dataclass(frozen=True)
 class StagePlan:
     """The hops one request takes, in order."""
@@ -108,23 +90,6 @@ def computing_hop(plan: StagePlan) -> str:
 
 
 # -- which instance: filter ---------------------------------------------------------
-HOPS = ("E", "P", "D", "PD")
-
-
-def serves(inst: InstanceState, hop: str) -> bool:
-    """Whether an instance's roles cover a hop. An instance that prefills and decodes
-    is a PD instance, not a hand-off end; encoders are encoder-only instances (an EP
-    instance encodes its own requests' images as part of prefill)."""
-    stages = inst.entry.stages
-    if hop == "E":
-        return stages == {"E"}
-    if hop == "P":
-        return "P" in stages and "D" not in stages
-    if hop == "D":
-        return "D" in stages and "P" not in stages
-    return {"P", "D"} <= stages
-
-
 def eligible(instances: Iterable[InstanceState], hop: str,
              exclude: Iterable[InstanceState] = ()) -> list[InstanceState]:
     excluded = set(map(id, exclude))
@@ -137,7 +102,7 @@ def down_hops(instances: Sequence[InstanceState], roster: Roster) -> frozenset[s
     return frozenset(hop for hop in roster.hops if not eligible(instances, hop))
 
 
-# -- which instance: scorers (lower is better) --------------------------------------
+# -- which instance: scorers (each in [0, 1] over the pool, higher is better) ------
 @dataclasses.dataclass(frozen=True)
 class RouteRequest:
     """What a policy may know about the hop: its size and, for images, its content."""
@@ -167,21 +132,55 @@ def weighted_load(inst: InstanceState) -> float:
     return cost
 
 
-def affinity(inst: InstanceState, req: RouteRequest) -> float:
+def rendezvous(inst: InstanceState, key: str) -> int:
     """Rendezvous hashing: each key ranks every instance the same way on every proxy,
     and removing an instance moves only the keys it held."""
-    return -xxhash.xxh3_64_intdigest(f"{req.key}\0{inst.name}".encode())
+    return xxhash.xxh3_64_intdigest(f"{key}\0{inst.name}".encode())
 
 
-# -- which instance: pickers ---------------------------------------------------------
-Scorer = Callable[[InstanceState, RouteRequest], float]
+Scorer = Callable[[Sequence[InstanceState], RouteRequest], list[float]]
+
+# By name, as proxy/scores.py lists them (the formulas are explained there).
+SCORE: dict[str, Scorer] = {
+    "least-loaded": lambda pool, req: relative([load(i) for i in pool], 1.0),
+    "size-weighted": lambda pool, req: relative([weighted_load(i) for i in pool], req.cost),
+    "hash-affinity": lambda pool, req: (
+        [0.0] * len(pool) if req.key is None  # nothing to be affine to: neutral
+        else by_rank([rendezvous(i, req.key) for i in pool])),
+    "round-robin": lambda pool, req: [1.0] * len(pool),
+}
 
 
-@dataclasses.dataclass
+# -- which instance: policy (weighted scorers) and picker ---------------------------
+@dataclasses.dataclass(frozen=True)
 class Policy:
-    name: str
-    scorer: Scorer
+    name: str  # the preset, or the weights as the deployment file writes them
+    weights: Mapping[str, float]
     two_choices: bool = False  # pick the better of two at random, then the rest
+
+    @classmethod
+    def of(cls, spec: str | Mapping[str, float]) -> "Policy":
+        """A preset name or `{scorer: weight}` (config.py has checked it)."""
+        preset = resolve(spec)
+        name = spec if isinstance(spec, str) else describe(preset.weights)
+        return cls(name, preset.weights, preset.two_choices)
+
+    @property
+    def affinity(self) -> bool:
+        """Whether the image key weighs in (the encoder stage then keeps a request's
+        images on their own encoders instead of spreading them)."""
+        return self.weights.get(AFFINITY, 0.0) > 0
+
+    def totals(self, pool: Sequence[InstanceState], req: RouteRequest) -> list[float]:
+        """Each instance's weighted sum of scores."""
+        weights = {name: w for name, w in self.weights.items()
+                   if w > 0 and not (name == AFFINITY and req.key is None)}
+        totals = [0.0] * len(pool)
+        # Affinity alone and no key: least-loaded decides, not the rotation (as before).
+        for name, weight in (weights or KEYLESS).items():
+            for k, score in enumerate(SCORE[name](pool, req)):
+                totals[k] += weight * score
+        return totals
 
     def rank(self, pool: list[InstanceState], req: RouteRequest, turn: int,
              rng: random.Random) -> list[InstanceState]:
@@ -192,31 +191,23 @@ class Policy:
         # Rotating the pool before a stable sort spreads ties evenly.
         start = turn % n
         rotated = pool[start:] + pool[:start]
+        totals = self.totals(rotated, req)
+        order = sorted(range(n), key=lambda k: -totals[k])
         if self.two_choices:
             a, b = rng.sample(range(n), 2)
-            first = min((rotated[a], rotated[b]), key=lambda i: self.scorer(i, req))
-            rest = sorted((i for i in rotated if i is not first),
-                          key=lambda i: self.scorer(i, req))
-            return [first, *rest]
-        return sorted(rotated, key=lambda i: self.scorer(i, req))
-
-
-POLICIES: dict[str, Policy] = {p.name: p for p in (
-    Policy("round-robin", lambda inst, req: 0.0),  # the rotation alone decides
-    Policy("least-loaded", lambda inst, req: load(inst)),
-    Policy("size-weighted", lambda inst, req: weighted_load(inst)),
-    Policy("power-of-two", lambda inst, req: load(inst), two_choices=True),
-    Policy("hash-affinity", affinity),
-)}
+            first = a if totals[a] >= totals[b] else b
+            order.remove(first)
+            order.insert(0, first)
+        return [rotated[k] for k in order]
 
 
 class Router:
     """Picks instances for hops from the live table, with one policy per hop."""
 
     def __init__(self, instances: Callable[[], Iterable[InstanceState]],
-                 policies: dict[str, str], seed: int | None = None):
+                 policies: Mapping[str, str | Mapping[str, float]], seed: int | None = None):
         self._instances = instances
-        self.policies = {hop: POLICIES[name] for hop, name in policies.items()}
+        self.policies = {hop: Policy.of(spec) for hop, spec in policies.items()}
         self._turns = {hop: itertools.count() for hop in HOPS}
         self._rng = random.Random(seed)
 
@@ -228,7 +219,4 @@ class Router:
                exclude: Iterable[InstanceState] = ()) -> list[InstanceState]:
         """Healthy instances for `hop`, best first; empty if none."""
         pool = eligible(self._instances(), hop, exclude)
-        policy = self.policy(hop)
-        if policy.name == "hash-affinity" and req.key is None:
-            policy = POLICIES["least-loaded"]
-        return policy.rank(pool, req, next(self._turns[hop]), self._rng)
+        return self.policy(hop).rank(pool, req, next(self._turns[hop]), self._rng)

@@ -1,4 +1,5 @@
-"""The proxy's live status table: every instance, its health and its load.
+"""The proxy's live status table: every instance, its health, its load, and which hops
+its roles serve (the Roster routing decides stages from).
 
 Runs inside the proxy process; pure data, no I/O (probing lives in membership.py).
 An instance's load counters have one writer: the `Lease` taken around each hop sent to
@@ -121,13 +122,54 @@ class Lease:
         return True
 
 
+# -- what the instances serve --------------------------------------------------------
+HOPS = ("E", "P", "D", "PD")
+
+
+def serves(inst: InstanceState, hop: str) -> bool:
+    """Whether an instance's roles cover a hop. An instance that prefills and decodes
+    is a PD instance, not a hand-off end; encoders are encoder-only instances (an EP
+    instance encodes its own requests' images as part of prefill)."""
+    stages = inst.entry.stages
+    if hop == "E":
+        return stages == {"E"}
+    if hop == "P":
+        return "P" in stages and "D" not in stages
+    if hop == "D":
+        return "D" in stages and "P" not in stages
+    return {"P", "D"} <= stages
+
+
+@dataclasses.dataclass(frozen=True)
+class Roster:
+    """What the deployment offers right now, as far as the stage decision cares."""
+
+    encoders: bool  # encoder-only instances are configured (healthy or not)
+    split: bool  # prefill-only and decode-only instances: KV is handed off
+    merged: bool  # instances that prefill and decode a request themselves
+
+    @classmethod
+    def of(cls, instances: Iterable[InstanceState]) -> "Roster":
+        pools = {hop: False for hop in HOPS}
+        for inst in instances:
+            for hop in HOPS:
+                pools[hop] = pools[hop] or serves(inst, hop)
+        return cls(encoders=pools["E"], split=pools["P"] and pools["D"], merged=pools["PD"])
+
+    @property
+    def hops(self) -> tuple[str, ...]:
+        """The hops the deployment has (healthy or not)."""
+        return tuple(hop for hop, has in (("E", self.encoders), ("P", self.split),
+                                          ("D", self.split), ("PD", self.merged)) if has)
+
+
 class InstanceTable:
     """Every instance by name, in the order they joined."""
 
     def __init__(self, entries: Iterable[InstanceEntry] = (), source: str = "config"):
         self._by_name: dict[str, InstanceState] = {}
         self._instances: list[InstanceState] = []
-        self._roster = None
+        self._roster: Roster | None = None
         for entry in entries:
             self.add(entry, source)
 
@@ -137,11 +179,9 @@ class InstanceTable:
         return self._instances
 
     @property
-    def roster(self):
-        """What the deployment offers (routing.Roster), from the roles alone."""
+    def roster(self) -> Roster:
+        """What the deployment offers, from the roles alone."""
         if self._roster is None:
-            from epd_serve.proxy.routing import Roster  # routing imports this module
-
             self._roster = Roster.of(self._instances)
         return self._roster
 

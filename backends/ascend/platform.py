@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import importlib
 
-from epd_serve.hal import Platform
-from epd_serve.kv_protocols import Connector
+from epd_serve.engines.hal import Platform
+from epd_serve.engines.kv_protocols import Connector
 
 
 class AscendPlatform(Platform):

@@ -11,8 +11,8 @@ import importlib.util
 import math
 
 from epd_serve.backends.cpu import amx
-from epd_serve.hal import InstanceLaunch, Platform, python_module_launcher
-from epd_serve.kv_protocols import Connector
+from epd_serve.engines.hal import InstanceLaunch, Platform, python_module_launcher
+from epd_serve.engines.kv_protocols import Connector
 
 
 class CpuPlatform(Platform):

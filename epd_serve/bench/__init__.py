@@ -1,2 +1,5 @@
-"""The load tool (`epd-serve bench`): AISBench-style runs against any OpenAI-compatible
-endpoint, rate sweeps, goodput search, deployment comparison, reports."""
+"""The load tool (`epd-serve bench`): runs, rate sweeps, goodput search, comparisons, reports.
+
+AISBench-style, against any OpenAI-compatible endpoint; also the shared search for the
+largest rate that passes (bench/search.py), which the planner uses too.
+"""

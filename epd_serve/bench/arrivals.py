@@ -15,8 +15,8 @@ from typing import Literal
 
 import numpy as np
 
-Process = Literal["fixed", "poisson", "gamma", "ramp-linear", "ramp-exp", "burst", "trace"]
-PROCESSES: tuple[str, ...] = ("fixed", "poisson", "gamma", "ramp-linear", "ramp-exp", "burst", "trace")
+PROCESSES = ("fixed", "poisson", "gamma", "ramp-linear", "ramp-exp", "burst", "trace")
+Process = Literal[PROCESSES]
 
 
 def fixed(n: int, rate: float) -> np.ndarray:

@@ -14,7 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from epd_serve.bench import arrivals, client, workloads
 from epd_serve.bench.metrics import SLO, RequestRecord, summarize
-from epd_serve.planner.search import largest_passing
+from epd_serve.bench.search import largest_passing
 
 GOODPUT_ATTAINMENT = 0.9  # goodput = highest rate with at least 90% SLO attainment
 
@@ -137,8 +137,8 @@ def compare_deployments(config_paths: list[str], spec: LoadSpec, rates: list[flo
                         console: Console | None = None) -> Path:
     """Bring each deployment up with the launcher, run the same workload, tear it down;
     write one report for all of them."""
-    from epd_serve import deploy
     from epd_serve.bench.report import write_report
+    from epd_serve.runtime import deploy
 
     results, goodputs = compare_resolved([deploy.load(p) for p in config_paths], spec, rates,
                                          goodput, console)
@@ -149,8 +149,7 @@ def compare_resolved(deps: list, spec: LoadSpec, rates: list[float],
                      goodput: tuple[float, float] | None = None,
                      console: Console | None = None) -> tuple[list[RunResult], dict]:
     """compare_deployments on loaded deployments: (every run, goodput per deployment)."""
-    from epd_serve import deploy
-
+    from epd_serve.runtime import deploy
     console = console or Console(stderr=True)
     results: list[RunResult] = []
     goodputs: dict[str, float | None] = {}

@@ -1,3 +1,6 @@
-"""Choosing a deployment: stage budgets (budgets.py), measured or published per-stage
-costs (profile.py, profiler.py), a discrete-event simulator of a deployment
-(simulator.py) and the planner that compares candidate deployments (planner.py)."""
+"""Choosing a deployment for a workload and an SLO: budgets, costs, a simulator, the planner.
+
+Stage budgets (budgets.py), measured or published per-stage costs (profile.py,
+profiler.py), a discrete-event simulator of a deployment (simulator.py) and the planner
+that compares candidate deployments (planner.py); verify.py runs the winners for real.
+"""

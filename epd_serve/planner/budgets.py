@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Callable
 
 from epd_serve.bench.metrics import SLO
-from epd_serve.planner.search import largest_passing
+from epd_serve.bench.search import largest_passing
 
 DECODING_ROLES = frozenset({"D", "PD", "ED", "EPD"})
 MAX_TOKENS = 16384  # search ranges: far above what one iteration of a 7-8B model holds

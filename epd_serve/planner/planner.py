@@ -26,14 +26,14 @@ import math
 
 import numpy as np
 
-from epd_serve import topology
 from epd_serve.bench.metrics import SLO
 from epd_serve.bench.runner import GOODPUT_ATTAINMENT, RunResult
+from epd_serve.bench.search import largest_passing
 from epd_serve.bench.workloads import RequestSpec
 from epd_serve.planner import simulator
 from epd_serve.planner.budgets import role_budget, search_budget
 from epd_serve.planner.profile import Profile
-from epd_serve.planner.search import largest_passing
+from epd_serve.topology import notation
 
 # form -> its device groups, each a tuple of the instances (roles) sharing a device,
 # and the stages whose time sizes the group.
@@ -142,11 +142,11 @@ def build(form: str, counts: tuple[int, ...]) -> Candidate:
             parts.append(group if count == 1 else f"{group}x{count}")
         else:
             parts.append(members[0] if count == 1 else f"{count}{members[0]}")
-    notation = "-".join(parts)
+    text = "-".join(parts)
     launchable = form not in NOT_LAUNCHABLE
     if launchable:
-        topology.parse(notation)  # our notation must say what we simulate
-    return Candidate(form, tuple(counts), notation, tuple(instances), launchable)
+        notation.parse(text)  # our notation must say what we simulate
+    return Candidate(form, tuple(counts), text, tuple(instances), launchable)
 
 
 def candidates(devices: int, work: StageWork, all_splits: bool = False) -> list[Candidate]:

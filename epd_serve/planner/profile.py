@@ -19,6 +19,7 @@ import numpy as np
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
+from epd_serve.backends import PLATFORMS
 from epd_serve.bench.workloads import RequestSpec
 
 PROFILES_DIR = Path(__file__).parent / "profiles"
@@ -127,7 +128,7 @@ class Memory(_Strict):
 
 class Profile(_Strict):
     name: str
-    platform: Literal["cpu", "cuda", "ascend"]
+    platform: Literal[PLATFORMS]
     model: str
     source: str = Field(description="Where the numbers come from: measured how, or which "
                         "published tables and figures.")

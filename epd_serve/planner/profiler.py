@@ -26,7 +26,7 @@ import httpx
 import numpy as np
 
 from epd_serve.bench.metrics import SLO
-from epd_serve.payloads import chat_body, image_data_url, make_image
+from epd_serve.engines.payloads import chat_body, image_data_url, make_image
 from epd_serve.planner import budgets
 from epd_serve.planner.profile import EncoderCost, LLMCost, Profile
 
@@ -280,7 +280,6 @@ def measure_handoffs(engine_profile: Profile, dep, slo: SLO, requests: int = 40,
     over `runs` runs with their own seeds."""
     from epd_serve.bench import arrivals, runner
     from epd_serve.planner import simulator
-
     console = console or _quiet()
     instances = simulator.instances_of(dep.plan)
     measured = []  # (real records, requests, offsets) per run

@@ -18,8 +18,8 @@ from epd_serve.planner.planner import Plan, recommended_engine_args, run_key
 
 def verify(plan: Plan, base_config: str, spec, out_dir: Path, top: int, rate: float | None,
            console: Console) -> bool:
-    from epd_serve import deploy
     from epd_serve.bench.runner import compare_resolved
+    from epd_serve.runtime import deploy
 
     chosen = [ev for ev in plan.evaluations if ev.candidate.launchable][:top]
     if len(chosen) < 2:

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from epd_serve import deploy
-from epd_serve.tinymodel import build_tiny_model
+from epd_serve.engines.tinymodel import build_tiny_model
+from epd_serve.runtime import deploy
 
 from ..ports import free_port_block
 

@@ -11,10 +11,10 @@ import httpx
 import numpy as np
 import pytest
 
-from epd_serve.demo import traced_request
-from epd_serve.instance_metrics import parse_prometheus
+from epd_serve.cli.demo import traced_request
+from epd_serve.engines.instance_metrics import parse_prometheus
+from epd_serve.engines.payloads import chat_body, image_data_url, make_image
 from epd_serve.mmstore import FeatureMeta, open_store
-from epd_serve.payloads import chat_body, image_data_url, make_image
 from epd_serve.proxy.features import image_key
 
 from .conftest import STORE_CAPACITY

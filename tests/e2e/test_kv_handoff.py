@@ -15,8 +15,8 @@ import numpy as np
 import psutil
 import pytest
 
-from epd_serve.demo import traced_request
-from epd_serve.instance_metrics import parse_prometheus
+from epd_serve.cli.demo import traced_request
+from epd_serve.engines.instance_metrics import parse_prometheus
 
 from ..waiting import wait_for
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from epd_serve.demo import traced_request
-from epd_serve.instance_metrics import parse_prometheus
-from epd_serve.payloads import chat_body, image_data_url, make_image
+from epd_serve.cli.demo import traced_request
+from epd_serve.engines.instance_metrics import parse_prometheus
+from epd_serve.engines.payloads import chat_body, image_data_url, make_image
 
 
 @pytest.fixture(scope="module")

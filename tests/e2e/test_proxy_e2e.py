@@ -15,8 +15,8 @@ import zlib
 import httpx
 import pytest
 
-from epd_serve.instance_metrics import snapshot
-from epd_serve.payloads import chat_body, image_data_url, make_image
+from epd_serve.engines.instance_metrics import snapshot
+from epd_serve.engines.payloads import chat_body, image_data_url, make_image
 from epd_serve.proxy.features import image_key
 
 MAX_TOKENS = 4

@@ -10,9 +10,9 @@ import time
 import httpx
 import pytest
 
-from epd_serve import deploy
-from epd_serve.instance_metrics import snapshot
-from epd_serve.payloads import chat_body, image_data_url, make_image
+from epd_serve.engines.instance_metrics import snapshot
+from epd_serve.engines.payloads import chat_body, image_data_url, make_image
+from epd_serve.runtime import deploy
 
 from ..ports import free_port_block
 from .conftest import REPO, STORE_CAPACITY

@@ -8,7 +8,7 @@ import threading
 
 from aiohttp import web
 
-from epd_serve.payloads import image_data_url, make_image
+from epd_serve.engines.payloads import image_data_url, make_image
 
 
 def tiny_image(seed: int = 0) -> str:

@@ -10,8 +10,8 @@ import pytest
 
 from epd_serve.backends.cpu import amx
 from epd_serve.backends.cpu.platform import CpuPlatform
-from epd_serve.hal import InstanceLaunch
-from epd_serve.topology import parse
+from epd_serve.engines.hal import InstanceLaunch
+from epd_serve.topology.notation import parse
 
 SAPPHIRE_RAPIDS = "processor : 0\nflags : fpu avx512f amx_bf16 amx_tile amx_int8\n"
 

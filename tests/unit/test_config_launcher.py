@@ -12,12 +12,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from epd_serve import config
 from epd_serve.backends.cpu.platform import CpuPlatform
-from epd_serve.hal import python_module_launcher
-from epd_serve.launcher import LaunchError, Launcher, stop_from_state
-from epd_serve.payloads import chat_body
-from epd_serve.shell import emit_shell
+from epd_serve.deployment import config
+from epd_serve.deployment.resolve import resolve
+from epd_serve.engines.hal import python_module_launcher
+from epd_serve.engines.payloads import chat_body
+from epd_serve.runtime.launcher import Launcher, stop_from_state
+from epd_serve.runtime.shell import emit_shell
+from epd_serve.runtime.supervision import LaunchError
 
 from ..ports import free_port_block
 
@@ -28,7 +30,7 @@ class FakeEnginePlatform(CpuPlatform):
     """CPU command shapes, but each instance is the instant fake server."""
 
     def engine_launcher(self) -> list[str]:
-        return [*python_module_launcher("epd_serve.fake_server"), "--model"]
+        return [*python_module_launcher("epd_serve.testing.fake_server"), "--model"]
 
     def check_available(self) -> None:
         pass
@@ -57,7 +59,7 @@ def make_dep(tmp_path: Path, notation: str = "E-P-D", **extra):
                   mm_store={"capacity": "16MiB", "port": base + 20, "metrics_port": base + 21,
                             "prefetch_base_port": base + 24},
                   health_timeout_s=60, **extra)
-    return config.resolve(config.Deployment(**fields), tmp_path)
+    return resolve(config.Deployment(**fields), tmp_path)
 
 
 def pid_alive(pid: int) -> bool:
@@ -103,7 +105,7 @@ def test_relative_model_paths_resolve_against_the_project_root(tmp_path):
     path = write_config(tmp_path, "name: x\ndeployment: P-D\nmodel: .epd/models/m\n")
     cfg, root = config.load(path)
     assert root == tmp_path.resolve()
-    assert config.resolve(cfg, root).model_dir == tmp_path.resolve() / ".epd/models/m"
+    assert resolve(cfg, root).model_dir == tmp_path.resolve() / ".epd/models/m"
 
 
 def test_plan_needing_more_devices_than_listed(tmp_path):
@@ -134,7 +136,7 @@ def test_shipped_configs_all_load():
     assert {p.parent.name for p in paths} == {"cpu", "h800", "atlas-800i-a2"}
     for path in paths:
         cfg, root = config.load(path)
-        dep = config.resolve(cfg, root)
+        dep = resolve(cfg, root)
         if cfg.platform != "cpu":  # one 8-device node, or 8 devices on each node
             nodes = len(cfg.cluster.nodes) if cfg.cluster else 1
             assert dep.plan.num_devices == 8 * nodes, path
@@ -215,14 +217,13 @@ def test_instance_dying_during_startup_fails_with_its_log(tmp_path):
 
 def test_emitted_shell_script_is_valid_bash_with_every_instance(tmp_path):
     cfg, root = config.load(REPO / "configs/atlas-800i-a2/e+p-d.yaml")
-    dep = config.resolve(cfg, root)
-    from epd_serve.hal import get_platform
-
-    script = emit_shell(dep, get_platform("ascend"))
+    dep = resolve(cfg, root)
+    script = emit_shell(dep)
     path = tmp_path / "launch.sh"
     path.write_text(script)
     subprocess.run(["bash", "-n", str(path)], check=True)
     assert script.count("ASCEND_RT_VISIBLE_DEVICES=") == len(dep.launches) == 12
-    assert script.count("wait_healthy ") == 12  # every instance
+    for launch in dep.launches:  # every instance, waited on before the proxy is
+        assert f"wait_serving {launch.name} {launch.url}/health" in script
     assert "wait_serving proxy http://127.0.0.1:8000/ready" in script  # then the proxy, ready
     assert "MooncakeLayerwiseConnector" in script and "trap cleanup EXIT INT TERM" in script

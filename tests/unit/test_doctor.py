@@ -11,11 +11,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from epd_serve import config, doctor
+from epd_serve.backends import get_platform
 from epd_serve.backends.cpu import amx
-from epd_serve.doctor import ERROR, OK, WARNING, Pin
-from epd_serve.hal import get_platform
-from epd_serve.launcher import port_in_use
+from epd_serve.cli import doctor
+from epd_serve.cli.doctor import ERROR, OK, WARNING, Pin
+from epd_serve.deployment import config
+from epd_serve.deployment.resolve import resolve
+from epd_serve.runtime.child import port_in_use
 from tests.ports import free_port_block
 
 REPO = Path(__file__).resolve().parents[2]
@@ -254,7 +256,7 @@ def test_memory_and_ports_of_a_deployment_on_other_nodes():
 def _resolved(platform: str, notation: str, **extra):
     cfg = config.Deployment(name="t", platform=platform, deployment=notation,
                             model="/models/m", served_model_name="m", **extra)
-    return config.resolve(cfg, Path("/proj"))
+    return resolve(cfg, Path("/proj"))
 
 
 def test_host_memory_of_a_cpu_instance_follows_its_kv_cache():

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from epd_serve import engine_probe, flagcheck
+from epd_serve.engines import engine_probe
+from epd_serve.runtime import flagcheck
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -151,8 +152,8 @@ def test_a_connector_class_that_does_not_load_and_an_unknown_variable_are_report
 def test_probe_entries_are_the_engine_arguments_after_the_program(config):
     """What is checked is what is launched: the command minus the program that starts
     the server, with the model as --model, and the instance's environment."""
-    from epd_serve import deploy
-    from epd_serve.hal import get_platform
+    from epd_serve.backends import get_platform
+    from epd_serve.runtime import deploy
 
     dep = deploy.load(config)
     platform = get_platform(dep.config.platform)

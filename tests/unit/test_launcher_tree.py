@@ -22,10 +22,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-from epd_serve import config
-from epd_serve import launcher as launcher_mod
 from epd_serve.backends.cpu.platform import CpuPlatform
-from epd_serve.launcher import TAG_ENV, Launcher, stop_from_state
+from epd_serve.deployment import config
+from epd_serve.deployment.resolve import resolve
+from epd_serve.runtime import launcher as launcher_mod
+from epd_serve.runtime.launcher import Launcher, stop_from_state
+from epd_serve.runtime.proctree import TAG_ENV
 
 from ..ports import free_port_block
 
@@ -114,7 +116,7 @@ def tree_launcher(tmp_path, monkeypatch):
     (model / "config.json").write_text("{}")
     (model / "model.safetensors").write_bytes(b"")
     base = free_port_block(5)
-    dep = config.resolve(config.Deployment(
+    dep = resolve(config.Deployment(
         name="tree", deployment="TP1", model=str(model), served_model_name="fake",
         proxy_port=base, base_port=base + 1, work_dir=str(tmp_path / "work"),
         health_timeout_s=30), tmp_path)
@@ -239,7 +241,7 @@ def test_down_from_the_state_file_alone_kills_every_incarnation(tree_launcher, t
     launcher.state_path.write_text(json.dumps(state))
     down = subprocess.run(
         [sys.executable, "-c", "import sys; from pathlib import Path; "
-         "from epd_serve.launcher import stop_from_state; "
+         "from epd_serve.runtime.launcher import stop_from_state; "
          "print(sorted(stop_from_state(Path(sys.argv[1]), grace_s=3)))",
          str(launcher.state_path)],
         capture_output=True, text=True, cwd=REPO, timeout=60)

@@ -142,5 +142,119 @@ def test_every_module_imports_from_the_installed_wheel(wheel, tmp_path):
     assert set(results) == set(modules)
     # The hardware backends and the bench stay importable in every install.
     for module in ("epd_serve.backends.cuda.platform", "epd_serve.backends.ascend.platform",
-                   "epd_serve.bench.report", "epd_serve.status_view", "epd_serve.proxy.app"):
+                   "epd_serve.bench.report", "epd_serve.cli.status_view", "epd_serve.proxy.app"):
         assert results[module] == {}, module
+
+
+# The subpackages of epd_serve from the bottom up: a module may import its own
+# subpackage and those below it, never one above. The package root (`epd_serve`) holds
+# only the version and sits below them all.
+LAYERS = ("topology", "mmstore", "connectors", "engines", "backends", "proxy", "deployment",
+          "runtime", "bench", "planner", "testing", "cli")
+
+
+def wheel_imports(wheel: Path) -> dict[str, set[str]]:
+    """Every module of the wheel -> the epd_serve modules it imports, lazy (in-function)
+    and type-checking imports included: each is a dependency someone reading it follows."""
+    import ast
+
+    archive = zipfile.ZipFile(wheel)
+    sources = {}
+    for name in archive.namelist():
+        if name.startswith("epd_serve/") and name.endswith(".py"):
+            parts = name.removesuffix(".py").split("/")
+            is_package = parts[-1] == "__init__"
+            module = ".".join(parts[:-1] if is_package else parts)
+            sources[module] = (archive.read(name).decode(), is_package)
+    graph: dict[str, set[str]] = {}
+    for module, (text, is_package) in sources.items():
+        deps = set()
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = module.split(".")[:len(module.split(".")) - node.level + is_package]
+                    base = ".".join(anchor + ([base] if base else []))
+                # `from package import module` depends on the module itself
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in sources else base
+                           for a in node.names]
+            else:
+                continue
+            deps |= {t for t in targets if t.split(".")[0] == "epd_serve" and t != module}
+        graph[module] = deps
+    return graph
+
+
+def layer_of(module: str) -> int:
+    parts = module.split(".")
+    return -1 if len(parts) == 1 else LAYERS.index(parts[1])
+
+
+def test_every_subpackage_has_a_layer_and_a_one_line_job(wheel):
+    graph = wheel_imports(wheel)
+    subpackages = {m.split(".")[1] for m in graph if m.count(".") >= 1}
+    assert subpackages == set(LAYERS)
+    archive = zipfile.ZipFile(wheel)
+    import ast
+
+    for sub in LAYERS:
+        doc = ast.get_docstring(ast.parse(archive.read(f"epd_serve/{sub}/__init__.py")))
+        assert doc, f"epd_serve/{sub}/__init__.py has no docstring"
+        assert len(doc.splitlines()[0]) <= 100, f"{sub}: its job does not fit in one line"
+
+
+def test_no_module_imports_a_subpackage_above_its_own(wheel):
+    graph = wheel_imports(wheel)
+    upward = sorted(f"{module} imports {dep}" for module, deps in graph.items() for dep in deps
+                    if layer_of(dep) > layer_of(module))
+    assert upward == []
+
+
+def test_the_import_graph_has_no_cycles(wheel):
+    graph = wheel_imports(wheel)
+    edges = {m: {d for d in deps if d in graph} for m, deps in graph.items()}
+    cycles = [c for c in _strongly_connected(edges) if len(c) > 1]
+    assert cycles == []
+
+
+def _strongly_connected(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's algorithm, iterative (the graph is a few hundred modules deep at most)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components = []
+    for root in edges:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            for child in children:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(edges[child]))))
+                    break
+                if child in on_stack:
+                    low[node] = min(low[node], index[child])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    components.append(sorted(component))
+    return components

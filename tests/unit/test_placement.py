@@ -10,13 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from epd_serve import config, deploy
-from epd_serve.cli import main as cli_main
-from epd_serve.hal import get_platform
-from epd_serve.placement import ClusterSpec, place
-from epd_serve.ray_launcher import local_node_args, node_problems, resource_options
-from epd_serve.shell import emit_shell
-from epd_serve.topology import parse
+from epd_serve.backends import get_platform
+from epd_serve.cli.main import main as cli_main
+from epd_serve.deployment import config
+from epd_serve.runtime import deploy
+from epd_serve.runtime.ray_launcher import local_node_args, node_problems, resource_options
+from epd_serve.runtime.shell import emit_shell
+from epd_serve.topology.notation import parse
+from epd_serve.topology.placement import ClusterSpec, place
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -136,7 +137,7 @@ def test_bad_cluster_sections_are_config_errors(tmp_path, text, message):
 
 def test_emitted_cluster_script_starts_ray_per_node_then_up_on_the_head(tmp_path):
     dep = deploy.load(REPO / "configs/h800/two-node.yaml")
-    script = emit_shell(dep, get_platform("cuda"), "/etc/epd/two-node.yaml")
+    script = emit_shell(dep, "/etc/epd/two-node.yaml")
     path = tmp_path / "cluster.sh"
     path.write_text(script)
     subprocess.run(["bash", "-n", str(path)], check=True)
@@ -154,7 +155,7 @@ def test_emitted_cluster_script_starts_ray_per_node_then_up_on_the_head(tmp_path
 
 def test_ascend_nodes_offer_npus_as_a_custom_ray_resource():
     dep = deploy.load(REPO / "configs/atlas-800i-a2/two-node.yaml")
-    script = emit_shell(dep, get_platform("ascend"))
+    script = emit_shell(dep)
     assert ("ASCEND_RT_VISIBLE_DEVICES=0,1,2,3,4,5,6,7 \"$BIN/ray\" start "
             "--node-ip-address=10.0.0.2 --labels=epd-node=node1 --address=10.0.0.1:6379 "
             "'--resources={\"NPU\": 8}' ;;") in script
@@ -201,8 +202,9 @@ def test_device_shares_become_the_ray_options_of_each_platform():
 NO_RAY = """
 import sys
 sys.modules["ray"] = None  # as on a machine without the cluster extra
-from epd_serve import deploy
-from epd_serve.launcher import Launcher, LaunchError
+from epd_serve.runtime import deploy
+from epd_serve.runtime.launcher import Launcher
+from epd_serve.runtime.supervision import LaunchError
 assert type(deploy.launcher_for(deploy.load(sys.argv[1]))) is Launcher
 try:
     deploy.launcher_for(deploy.load(sys.argv[2]))
@@ -224,8 +226,8 @@ def test_a_ray_cluster_unlike_the_file_fails_start_up_with_why_and_leaves_nothin
         tmp_path, monkeypatch):
     import ray
 
-    from epd_serve import ray_launcher
-    from epd_serve.launcher import LaunchError
+    from epd_serve.runtime import ray_launcher
+    from epd_serve.runtime.supervision import LaunchError
 
     why = "b is at 127.0.0.2 in Ray but at 127.0.0.1 in the file"
     monkeypatch.setattr(ray_launcher, "node_problems", lambda *args: [why])
@@ -240,7 +242,7 @@ def test_a_ray_cluster_unlike_the_file_fails_start_up_with_why_and_leaves_nothin
 
 
 def test_the_driver_reports_a_lost_node_its_return_and_an_actor_error_once(tmp_path, monkeypatch):
-    from epd_serve.ray_launcher import RayChild, RayLauncher
+    from epd_serve.runtime.ray_launcher import RayChild, RayLauncher
 
     dep = deploy.load(cpu_file(tmp_path, "deployment: P-D\nmm_store: {backend: mooncake}\n"
                                + TWO_NODES))

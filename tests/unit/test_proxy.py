@@ -13,10 +13,10 @@ import time
 import httpx
 import pytest
 
-from epd_serve.fake_server import ThreadedServer, create_fake_app
-from epd_serve.payloads import chat_body
+from epd_serve.engines.payloads import chat_body
 from epd_serve.proxy import ProxyConfig, create_app
 from epd_serve.proxy.features import image_key
+from epd_serve.testing.fake_server import ThreadedServer, create_fake_app
 
 from ..ports import free_port_block
 from .proxy_harness import ProxyThread, tiny_image

@@ -7,17 +7,17 @@ from __future__ import annotations
 import contextlib
 import time
 
+import httpx
 import msgspec
 import numpy as np
 import pytest
 import zmq
-import httpx
 
-from epd_serve.fake_server import ThreadedServer, create_fake_app
+from epd_serve.engines.payloads import chat_body
 from epd_serve.mmstore import FeatureMeta, StoreSpec, open_store
-from epd_serve.payloads import chat_body
 from epd_serve.proxy import ProxyConfig, create_app
 from epd_serve.proxy.features import image_key
+from epd_serve.testing.fake_server import ThreadedServer, create_fake_app
 
 from ..stores import started_shm_store
 from .proxy_harness import ProxyThread, tiny_image

@@ -10,7 +10,7 @@ import time
 
 import psutil
 
-from epd_serve.ray_host import ProcessHost, ProcessSpec
+from epd_serve.runtime.ray_host import ProcessHost, ProcessSpec
 
 from ..ports import free_port_block
 

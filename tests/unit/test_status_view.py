@@ -12,8 +12,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from rich.console import Console
 
-from epd_serve import cli
-from epd_serve.status_view import render
+from epd_serve.cli import main as cli
+from epd_serve.cli.status_view import render
 
 LONG_ERROR = "HTTP 500: " + "engine exploded while prefilling the request " * 5
 
@@ -158,8 +158,7 @@ def test_cli_finds_the_proxy_through_a_deployment_file(server, capsys, monkeypat
             class proxy:  # noqa: N801
                 api_key_env = None
 
-    from epd_serve import deploy
-
+    from epd_serve.runtime import deploy
     seen = []
     monkeypatch.setattr(deploy, "load", lambda path: seen.append(path) or Resolved())
     assert cli.main(["status", "configs/cpu/e-p-d.yaml"]) == 0
@@ -167,8 +166,7 @@ def test_cli_finds_the_proxy_through_a_deployment_file(server, capsys, monkeypat
 
 
 def test_cli_derives_the_url_from_a_real_deployment_file():
-    from epd_serve import deploy
-
+    from epd_serve.runtime import deploy
     args = cli.build_parser().parse_args(["status", "configs/cpu/e-p-d.yaml"])
     assert cli._status_target(args) == (deploy.load("configs/cpu/e-p-d.yaml").proxy_url, None)
     args = cli.build_parser().parse_args(["status"])

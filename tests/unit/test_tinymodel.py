@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from epd_serve.payloads import make_image
-from epd_serve.tinymodel import build_tiny_model, is_model_dir
+from epd_serve.engines.payloads import make_image
+from epd_serve.engines.tinymodel import build_tiny_model, is_model_dir
 
 # 448x448 image: (448 / patch)^2 patches, merged 2x2.
 IMAGE_TOKENS = {"qwen2_vl": 256, "qwen2_5_vl": 256, "qwen3_vl": 196}

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from epd_serve import topology
+from epd_serve.topology import notation
 
 # notation -> (canonical, [(roles, devices), ...])
 CASES = {
@@ -31,28 +31,28 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("notation", CASES)
-def test_parse_gives_roles_devices_and_canonical_form(notation):
-    canonical, expected = CASES[notation]
-    plan = topology.parse(notation)
+@pytest.mark.parametrize("text", CASES)
+def test_parse_gives_roles_devices_and_canonical_form(text):
+    canonical, expected = CASES[text]
+    plan = notation.parse(text)
     assert [(i.roles, i.devices) for i in plan.instances] == expected
     assert plan.to_notation() == canonical
-    assert topology.parse(canonical) == plan  # round trip
+    assert notation.parse(canonical) == plan  # round trip
 
 
 def test_colocation_is_explicit_in_the_plan():
-    plan = topology.parse("(E-P)-D")
+    plan = notation.parse("(E-P)-D")
     assert {d: [i.name for i in insts] for d, insts in plan.colocated().items()} == {0: ["e0", "p0"]}
     assert plan.num_devices == 2
-    assert topology.parse("E-P-D").colocated() == {}
+    assert notation.parse("E-P-D").colocated() == {}
 
 
 def test_instance_names_count_per_role_set():
-    plan = topology.parse("2E-P-PD-D")
+    plan = notation.parse("2E-P-PD-D")
     assert [i.name for i in plan.instances] == ["e0", "e1", "p0", "pd0", "d0"]
 
 
-@pytest.mark.parametrize("notation, position, fragment", [
+@pytest.mark.parametrize("text, position, fragment", [
     ("E--P-D", 2, "expected a stage or '('"),
     ("(E-P", 4, "')' closing"),
     ("X-P-D", 0, "unknown stage 'X'"),
@@ -67,9 +67,9 @@ def test_instance_names_count_per_role_set():
     ("(E-P)x-D", 6, "a count after 'x'"),
     ("E-P-D!", 5, "unexpected character"),
 ])
-def test_malformed_notation_names_the_position(notation, position, fragment):
-    with pytest.raises(topology.NotationError) as info:
-        topology.parse(notation)
+def test_malformed_notation_names_the_position(text, position, fragment):
+    with pytest.raises(notation.NotationError) as info:
+        notation.parse(text)
     assert info.value.position == position
     assert fragment in str(info.value)
     assert "\n" not in str(info.value)

@@ -11,10 +11,11 @@ import sys
 import pytest
 from rich.console import Console
 
-from epd_serve import deploy
-from epd_serve.demo import show_requests
-from epd_serve.launcher import LaunchError, Launcher
-from epd_serve.progress import warm_up
+from epd_serve.cli.demo import show_requests
+from epd_serve.runtime import deploy
+from epd_serve.runtime.launcher import Launcher
+from epd_serve.runtime.progress import warm_up
+from epd_serve.runtime.supervision import LaunchError
 
 from .test_config_launcher import FakeEnginePlatform, make_dep, pid_alive
 

@@ -15,7 +15,7 @@ from epd_serve.bench.client import run, run_schedule
 from epd_serve.bench.metrics import SLO, RequestRecord, summarize
 from epd_serve.bench.report import write_report
 from epd_serve.bench.runner import LoadSpec, RunResult, _one_line
-from epd_serve.fake_server import ThreadedServer
+from epd_serve.testing.fake_server import ThreadedServer
 
 FULL = ("E=e0:12.3ms;P=p1:40.1ms;D=d2:88.0ms;"
         "KV=done:bytes=65536B:transfer=0.5ms:exposed=0.0ms:groups=2;IMG=ref")

@@ -6,11 +6,11 @@ import json
 import numpy as np
 import pytest
 
-from epd_serve import topology
 from epd_serve.bench import arrivals, workloads
 from epd_serve.bench.metrics import SLO
 from epd_serve.bench.workloads import ImageRef, RequestSpec
 from epd_serve.planner import planner, simulator
+from epd_serve.topology import notation
 
 from .conftest import make_profile
 
@@ -58,7 +58,7 @@ def test_candidates_are_what_our_notation_runs(profile):
         assert cand.devices == 8
         assert len({i.device for i in cand.instances}) == 8
         if cand.launchable:
-            plan = topology.parse(cand.notation)
+            plan = notation.parse(cand.notation)
             assert plan.num_devices == 8
             assert sorted(i.roles for i in plan.instances) == sorted(i.roles for i in cand.instances)
         else:
@@ -111,7 +111,7 @@ def test_goodput_is_the_highest_rate_meeting_the_slo(profile):
 
 
 def test_plan_command_prints_a_recommendation_and_writes_the_evidence(tmp_path, capsys):
-    from epd_serve.cli import main
+    from epd_serve.cli.main import main
 
     trace = tmp_path / "trace.jsonl"
     trace.write_text("\n".join(json.dumps({"timestamp": i * 0.1, "prompt_words": 10,
@@ -135,7 +135,7 @@ def test_plan_command_prints_a_recommendation_and_writes_the_evidence(tmp_path, 
 
 
 def test_simulate_command_and_bad_input(tmp_path, capsys):
-    from epd_serve.cli import main
+    from epd_serve.cli.main import main
 
     assert main(["simulate", "--profile", "h800-qwen3-vl-8b", "--deployment", "(E-P)-D",
                  "--workload", "visualwebinstruct", "--num-requests", "30", "--rates", "1,4",

@@ -5,13 +5,13 @@ does it, exact latencies for a lone request, and the load tool's own reports."""
 import numpy as np
 import pytest
 
-from epd_serve import topology
 from epd_serve.bench import arrivals, workloads
 from epd_serve.bench.metrics import SLO
 from epd_serve.bench.report import write_report
 from epd_serve.bench.runner import LoadSpec
 from epd_serve.bench.workloads import ImageRef, RequestSpec
 from epd_serve.planner import simulator
+from epd_serve.topology import notation
 
 from .conftest import make_profile
 
@@ -19,10 +19,10 @@ SLO_ = SLO(ttft_ms=2000, tpot_ms=50)
 DEPLOYMENTS = ["TP1", "E-P-D", "EP-D", "(E-P)-D", "(E-D)-P", "(E-PD)", "2E-P-2D", "P-D"]
 
 
-def run(notation, profile, specs, offsets, slo=SLO_):
-    plan = topology.parse(notation)
+def run(deployment, profile, specs, offsets, slo=SLO_):
+    plan = notation.parse(deployment)
     return simulator.simulate(simulator.instances_of(plan), profile, specs, offsets, slo,
-                              rate=None, label=notation)
+                              rate=None, label=deployment)
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +126,7 @@ def test_a_deployment_that_cannot_serve_is_refused(profile):
         simulator.Simulation([simulator.SimInstance("e0", "E", 0),
                               simulator.SimInstance("p0", "P", 1)], profile, SLO_)
     with pytest.raises(ValueError, match="one device per instance"):
-        simulator.instances_of(topology.parse("TP2"))
+        simulator.instances_of(notation.parse("TP2"))
 
 
 def test_measured_hand_off_costs_are_drawn_per_request_and_seeded(mixed):

@@ -11,15 +11,20 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from epd_serve import config
-from epd_serve.launcher import Launcher, LaunchError
+from epd_serve.deployment import config
+from epd_serve.deployment.resolve import ResolvedDeployment, resolve
+from epd_serve.runtime.launcher import Launcher
+from epd_serve.runtime.supervision import LaunchError
+
+if TYPE_CHECKING:
+    from epd_serve.runtime.ray_launcher import RayLauncher
 
 
-def load(path: str | Path, **overrides: Any) -> config.ResolvedDeployment:
+def load(path: str | Path, **overrides: Any) -> ResolvedDeployment:
     cfg, root = config.load(path)
     if overrides:
         try:
@@ -27,33 +32,33 @@ def load(path: str | Path, **overrides: Any) -> config.ResolvedDeployment:
         except ValidationError as err:
             raise config.ConfigError(f"{path} with {sorted(overrides)}: "
                                      f"{err.errors()[0]['msg']}") from None
-    return config.resolve(cfg, root)
+    return resolve(cfg, root)
 
 
-def ensure_model(dep: config.ResolvedDeployment) -> None:
+def ensure_model(dep: ResolvedDeployment) -> None:
     """Build the tiny model where the deployment file asks for one and none exists."""
-    from epd_serve.tinymodel import build_tiny_model, is_model_dir
+    from epd_serve.engines.tinymodel import build_tiny_model, is_model_dir
 
     if dep.config.tiny_model and not is_model_dir(dep.model_dir):
         print(f"building tiny {dep.config.tiny_model} model in {dep.model_dir} ...", file=sys.stderr)
         build_tiny_model(dep.config.tiny_model, dep.model_dir)
 
 
-def launcher_for(dep: config.ResolvedDeployment) -> Launcher:
+def launcher_for(dep: ResolvedDeployment) -> Launcher | RayLauncher:
     """The launcher of one host, or the Ray launcher for a deployment with a cluster."""
     if dep.config.cluster is None:
         return Launcher(dep)
     try:
-        from epd_serve.ray_launcher import RayLauncher
+        from epd_serve.runtime.ray_launcher import RayLauncher
     except ImportError as err:
         raise LaunchError(f"{dep.config.name} spans a cluster, which runs on Ray ({err}); "
                           "install it with `pip install 'epd-serve[cluster]'`") from None
     return RayLauncher(dep)
 
 
-def bring_up(dep: config.ResolvedDeployment, warmup: bool = True) -> Launcher:
+def bring_up(dep: ResolvedDeployment, warmup: bool = True) -> Launcher | RayLauncher:
     """Start a deployment with live progress; returns the running Launcher."""
-    from epd_serve.progress import StartupProgress, warm_up
+    from epd_serve.runtime.progress import StartupProgress, warm_up
 
     ensure_model(dep)
     launcher = launcher_for(dep)

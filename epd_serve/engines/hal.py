@@ -2,13 +2,13 @@
 
 Imported by the launcher and the CLI. Pure: builds command lines and environments and
 never imports a hardware package; backends live in `epd_serve.backends.<name>` and
-are resolved lazily by name, so the CPU install never needs torch_npu or flashinfer.
+are resolved lazily by name (`epd_serve.backends.get_platform`), so the CPU install
+never needs torch_npu or flashinfer.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import shlex
 import sys
@@ -16,11 +16,9 @@ from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
 from epd_serve.connectors.epd_ec.settings import Settings
-from epd_serve.kv_protocols import Connector, get_protocol
+from epd_serve.engines.kv_protocols import Connector, get_protocol
 from epd_serve.mmstore.spec import StoreSpec
-from epd_serve.topology import Instance, Plan, Role
-
-PLATFORMS = ("cpu", "cuda", "ascend")
+from epd_serve.topology.notation import Instance, Plan, Role
 
 # Our EC connector over the MM Store; the same on every platform (vLLM loads it through
 # ec_connector_module_path, which vllm-ascend inherits).
@@ -49,7 +47,7 @@ class InstanceLaunch:
     mm_store: StoreSpec | None = None  # our EC connector over this store
     prefetch_port: int | None = None  # where a prefill's prefetch listener takes hints
     kv_role: str | None = None  # kv_producer | kv_consumer | None
-    kv_protocol: str = "epd"  # how KV travels P -> D (epd_serve/kv_protocols.py)
+    kv_protocol: str = "epd"  # how KV travels P -> D (epd_serve/engines/kv_protocols.py)
     kv_port: int | None = None  # first of the instance's KV ports (one per TP rank)
     kv_config: tuple[tuple[str, Any], ...] = ()  # the deployment's kv_connector_config
     extra_args: tuple[str, ...] = ()
@@ -255,13 +253,6 @@ def _connector_config(kind: str, conn: Connector, role: str) -> dict[str, Any]:
         cfg[f"{kind}_connector_extra_config"] = dict(conn.extra_config)
     return cfg
 
-
-def get_platform(name: str) -> Platform:
-    """Resolve a backend by name; imports only that backend's module."""
-    if name not in PLATFORMS:
-        raise ValueError(f"unknown platform {name!r}; choose one of {', '.join(PLATFORMS)}")
-    module = importlib.import_module(f"epd_serve.backends.{name}")
-    return module.PLATFORM
 
 
 def python_module_launcher(module: str) -> list[str]:

@@ -7,7 +7,7 @@ import math
 import sys
 from pathlib import Path
 
-from epd_serve.bench.cli import _common, _rates, _spec
+from epd_serve.cli.bench import add_load_options, load_spec, rate_list
 
 
 def _requests(args, spec):
@@ -15,7 +15,6 @@ def _requests(args, spec):
     same arguments see the same requests), and the spec they came from. A request
     trace given as --trace is the workload and the arrivals at once."""
     from epd_serve.bench import workloads
-
     if args.trace and workloads.is_request_trace(Path(args.trace)):
         rows = sum(1 for line in Path(args.trace).read_text().splitlines() if line.strip())
         spec = dataclasses.replace(spec, workload=args.trace, process="trace", num_requests=rows)
@@ -25,7 +24,6 @@ def _requests(args, spec):
 
 def _offsets(spec, n: int, rate: float | None):
     from epd_serve.bench import arrivals
-
     offsets = arrivals.schedule(spec.process, n, rate, burstiness=spec.burstiness,
                                 end_rate=spec.end_rate, trace=spec.trace, speedup=spec.speedup,
                                 seed=spec.seed)
@@ -33,14 +31,13 @@ def _offsets(spec, n: int, rate: float | None):
 
 
 def cmd_simulate(args) -> int:
-    from epd_serve import topology
     from epd_serve.bench.report import write_report
     from epd_serve.planner import profile as profiles
     from epd_serve.planner import simulator
-
+    from epd_serve.topology import notation
     prof = profiles.load(args.profile)
-    plan = topology.parse(args.deployment)
-    spec, specs = _requests(args, _spec(args, url="simulated", model=prof.model,
+    plan = notation.parse(args.deployment)
+    spec, specs = _requests(args, load_spec(args, url="simulated", model=prof.model,
                                         num_devices=plan.num_devices))
     results = []
     for rate in args.rates:
@@ -60,13 +57,11 @@ def cmd_simulate(args) -> int:
 def cmd_plan(args) -> int:
     from rich.console import Console
 
-    from epd_serve.planner import planner
+    from epd_serve.planner import planner, report
     from epd_serve.planner import profile as profiles
-    from epd_serve.planner import report
-
     console = Console(stderr=True)
     prof = profiles.load(args.profile)
-    spec, specs = _requests(args, _spec(args, url="simulated", model=prof.model,
+    spec, specs = _requests(args, load_spec(args, url="simulated", model=prof.model,
                                         num_devices=args.devices))
     if spec.process != "trace" and args.rate is None:
         raise ValueError("give --rate (requests per second), or a --trace to replay")
@@ -104,14 +99,12 @@ def cmd_profile(args) -> int:
     from epd_serve.bench.metrics import SLO
     from epd_serve.planner import profile as profiles
     from epd_serve.planner import profiler
-
     slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms)
     base = profiles.load(args.base)
     if args.url:
         prober = profiler.Prober(args.url, args.model, args.repeats)
         return _save(profiler.measure(prober, base, slo, args.max_tokens), args)
-    from epd_serve import deploy
-
+    from epd_serve.runtime import deploy
     dep = deploy.load(args.config)
     target = next((l for l in dep.launches if set(l.instance.roles) == set("EPD")), None)
     split = profiler.splits_prefill_decode(dep.plan)
@@ -137,7 +130,6 @@ def cmd_profile(args) -> int:
     source = f"measured by `epd-serve profile {args.config}`: {what}"
     if target is not None:
         from epd_serve.bench import workloads
-
         texts = [s.text for name in ("tiny-mm", "text", "visualwebinstruct")
                  for s in workloads.load_workload(name, 50, 1)]
         per_word, template = profiler.text_tokens(str(dep.model_dir), texts)
@@ -154,7 +146,6 @@ def cmd_profile(args) -> int:
 
 def _save(prof, args) -> int:
     from epd_serve.planner import profile as profiles
-
     path = profiles.save(prof, args.out)
     b = prof.measured["budgets"]
     print(f"budgets for TTFT {args.slo_ttft_ms:.0f} ms / TPOT {args.slo_tpot_ms:.0f} ms: "
@@ -194,8 +185,8 @@ def add_planner_parsers(sub) -> None:
     p = sub.add_parser("simulate", help="a load run against a simulated deployment")
     p.add_argument("--profile", required=True, help="profile file or shipped name")
     p.add_argument("--deployment", required=True, help="notation, e.g. E-P-D or '(E-P)x2-D'")
-    _common(p, needs_url=False)
-    p.add_argument("--rates", type=_rates, required=True)
+    add_load_options(p, needs_url=False)
+    p.add_argument("--rates", type=rate_list, required=True)
     p.set_defaults(func=cmd_simulate, out="results/simulated")
 
     p = sub.add_parser("plan", help="choose the deployment for a workload and an SLO")
@@ -210,7 +201,7 @@ def add_planner_parsers(sub) -> None:
     p.add_argument("--verify-top", type=int, default=2)
     p.add_argument("--max-instances", type=int,
                    help="leave out candidates with more engine processes (host memory)")
-    _common(p, needs_url=False)
+    add_load_options(p, needs_url=False)
     p.set_defaults(func=cmd_plan, out="results/plan")
 
 

@@ -17,11 +17,11 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from epd_serve.doctor import run_doctor
-from epd_serve.instance_metrics import Counters, snapshot
-from epd_serve.payloads import chat_body, image_data_url, make_image
-from epd_serve.progress import explain_failure, instance_status
+from epd_serve.cli.doctor import run_doctor
+from epd_serve.engines.instance_metrics import Counters, snapshot
+from epd_serve.engines.payloads import chat_body, image_data_url, make_image
 from epd_serve.proxy.upstream import error_message
+from epd_serve.runtime.progress import explain_failure, instance_status
 
 COUNTERS_WAIT_S = 10.0
 
@@ -146,8 +146,7 @@ def show_requests(dep, console: Console) -> list[str]:
 
 
 def run_demo(config_path: str, load_requests: int, out_dir: str) -> int:
-    from epd_serve import deploy
-
+    from epd_serve.runtime import deploy
     console = Console()
     if not run_doctor(config_path, console):
         console.print("[bold red]the doctor found errors that would stop the deployment[/]; "

@@ -14,9 +14,10 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from epd_serve.launcher import LaunchError, log_tail
-from epd_serve.payloads import chat_body, image_data_url, make_image
+from epd_serve.engines.payloads import chat_body, image_data_url, make_image
 from epd_serve.proxy.upstream import error_message
+from epd_serve.runtime.child import log_tail
+from epd_serve.runtime.supervision import LaunchError
 
 
 class StartupProgress:

@@ -1,9 +1,10 @@
 """`epd-serve check-flags`: every engine command line our configs emit, checked by the
 engine that will run it.
 
-Runs in the CLI. For each deployment file it builds exactly what `epd-serve up` and
-`launch --emit-shell` start (HAL command line and environment per instance), hands
-them to `epd_serve.engine_probe` running under the engine's Python (this one, or a
+Runs in the CLI. For each deployment file it takes exactly what `epd-serve up` and
+`launch --emit-shell` start (the start-up plan's command line and environment per
+instance), hands
+them to `epd_serve.engines.engine_probe` running under the engine's Python (this one, or a
 scratch environment holding a platform's pinned stack: scripts/check-engine-flags.sh),
 and reports every flag the engine rejects by config, instance and flag, plus what the
 probe could not check and why.
@@ -20,8 +21,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from epd_serve import deploy
-from epd_serve.hal import get_platform
+from epd_serve.runtime import deploy
+from epd_serve.runtime.plan import startup_plan
 
 # Where the shipped deployment files of each platform live, relative to the repository.
 SHIPPED_CONFIGS = {"cpu": "configs/cpu", "cuda": "configs/h800", "ascend": "configs/atlas-800i-a2"}
@@ -63,18 +64,20 @@ def engine_launches(config_path: Path, build_models: bool = True) -> list[dict[s
     dep = deploy.load(config_path)
     if build_models:
         deploy.ensure_model(dep)  # tiny models are built offline in a second
-    platform = get_platform(dep.config.platform)
+    platform = dep.platform
     program = platform.engine_launcher()
     entries = []
-    for launch in dep.launches:
-        command = platform.command(launch)
+    for step in startup_plan(dep):
+        if step.launch is None:
+            continue
+        model, command = step.launch.model, list(step.command)
         # `vllm serve MODEL ...` or `python -m ...api_server --model MODEL ...`
-        if command[:len(program) + 1] != [*program, launch.model]:
-            raise AssertionError(f"{launch.name}: command does not start with {program} MODEL")
-        entries.append({"config": str(config_path), "instance": launch.name,
+        if command[:len(program) + 1] != [*program, model]:
+            raise AssertionError(f"{step.name}: command does not start with {program} MODEL")
+        entries.append({"config": str(config_path), "instance": step.name,
                         "platform": platform.name, "device_type": platform.device_type,
-                        "argv": ["--model", launch.model, *command[len(program) + 1:]],
-                        "env": platform.environment(launch)})
+                        "argv": ["--model", model, *command[len(program) + 1:]],
+                        "env": step.env})
     return entries
 
 
@@ -82,7 +85,7 @@ def run_probe(entries: list[dict[str, Any]], python: str = sys.executable) -> di
     """Run the probe under `python`; its environment starts from the first launch's so
     the engine detects the platform it will run on."""
     env = {**os.environ, **(entries[0]["env"] if entries else {})}
-    proc = subprocess.run([python, "-m", "epd_serve.engine_probe"], input=json.dumps(entries),
+    proc = subprocess.run([python, "-m", "epd_serve.engines.engine_probe"], input=json.dumps(entries),
                           capture_output=True, text=True, env=env, timeout=PROBE_TIMEOUT_S)
     if proc.returncode != 0 or not proc.stdout.strip():
         tail = "\n".join(proc.stderr.strip().splitlines()[-15:])

@@ -1,7 +1,7 @@
 """Process trees: every process an instance started, found and killed even after its
 leader died.
 
-Used by the launcher (epd_serve/launcher.py) in the `epd-serve up` process and by
+Used by the launcher (epd_serve/runtime/launcher.py) in the `epd-serve up` process and by
 `epd-serve down`. vLLM's API server forks an engine-core process that forks workers;
 when the API server dies those are reparented to init and keep their memory, and a
 death signal set on the leader (cleared on fork) never reaches them. So a child's tree

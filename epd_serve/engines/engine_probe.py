@@ -1,7 +1,7 @@
 """Feed engine command lines through the installed vLLM's own parser and config classes.
 
 Runs inside the Python environment of the engine being checked (`python -m
-epd_serve.engine_probe < launches.json`), which may hold another vLLM release than the
+epd_serve.engines.engine_probe < launches.json`), which may hold another vLLM release than the
 one epd-serve runs beside: it imports nothing of epd-serve at module level and looks
 vLLM's entry points up where each release keeps them. Reads a JSON list of
 {"config", "instance", "platform", "device_type", "argv", "env"} (argv: the engine's arguments after

@@ -4,7 +4,7 @@ For fast tests of the proxy and the launcher, and for measuring the load generat
 without an engine in the way. It records every request it gets (GET /_requests) so a
 test can check which stage saw what. Never used in a deployment.
 
-    python -m epd_serve.fake_server --port 9001 [--ttft-ms 5 --itl-ms 1]
+    python -m epd_serve.testing.fake_server --port 9001 [--ttft-ms 5 --itl-ms 1]
 """
 
 from __future__ import annotations

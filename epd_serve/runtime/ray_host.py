@@ -3,7 +3,7 @@ instance, the proxy, or an MM Store server), restarts it when it exits, and keep
 log for the launcher to fetch.
 
 Runs inside a Ray worker process on the node, one actor per process; the Ray launcher
-(epd_serve/ray_launcher.py) creates them. Plain Python, so the tests drive it without
+(epd_serve/runtime/ray_launcher.py) creates them. Plain Python, so the tests drive it without
 Ray; Ray is only asked which devices it assigned and where the actor runs.
 """
 
@@ -15,10 +15,10 @@ import tempfile
 import threading
 from pathlib import Path
 
-from epd_serve.launcher import LEFTOVER_GRACE_S, STOP_GRACE_S, Child, port_in_use
-from epd_serve.proctree import ProcessTree, kill_trees
+from epd_serve.runtime.child import LEFTOVER_GRACE_S, STOP_GRACE_S, Child, port_in_use
+from epd_serve.runtime.plan import fill_run_dir
+from epd_serve.runtime.proctree import ProcessTree, kill_trees
 
-RUN_DIR_PLACEHOLDER = "{run_dir}"
 SUPERVISE_INTERVAL_S = 1.0
 LOG_CHUNK_BYTES = 1 << 20
 
@@ -74,7 +74,7 @@ class ProcessHost:
             self._thread.start()
 
     def _fill(self, text: str) -> str:
-        return text.replace(RUN_DIR_PLACEHOLDER, str(self.run_dir))
+        return fill_run_dir(text, str(self.run_dir))
 
     def _preflight(self) -> str | None:
         if self.spec.required_path and not Path(self.spec.required_path).exists():

@@ -1,12 +1,13 @@
 """Brings a multi-node deployment up on Ray, keeps it up and brings it down: one actor
-per process (epd_serve/ray_host.py), placed on its node and devices by placement
+per process (epd_serve/runtime/ray_host.py), placed on its node and devices by placement
 groups; the proxy and the MM Store's servers on the head node.
 
 Runs in the `epd-serve up` process (or a test fixture), which is the Ray driver. Only
 deployments with a `cluster:` section import it; Ray comes with `epd-serve[cluster]`.
-Health is probed over HTTP from here, as for one host (epd_serve/launcher.py); each
-actor restarts its own process, and Ray restarts an actor whose node died once a node
-with the same label is back.
+It carries out the same start-up plan as the local launcher (epd_serve/runtime/plan.py)
+and probes health over HTTP from here the same way (epd_serve/runtime/supervision.py);
+each actor restarts its own process, and Ray restarts an actor whose node died once a
+node with the same label is back.
 """
 
 from __future__ import annotations
@@ -14,9 +15,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import secrets
 import sys
 import tempfile
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +28,20 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from epd_serve.config import ResolvedDeployment
-from epd_serve.hal import InstanceLaunch
-from epd_serve.launcher import STOP_GRACE_S, Launcher, LaunchError, log_tail, proxy_config
-from epd_serve.mmstore.service import store_processes
-from epd_serve.placement import NODE_LABEL, ClusterSpec, NodeSpec, ray_resource_args
-from epd_serve.ray_host import RUN_DIR_PLACEHOLDER, ProcessHost, ProcessSpec
+from epd_serve.deployment.resolve import ResolvedDeployment
+from epd_serve.runtime.child import STOP_GRACE_S, log_tail
+from epd_serve.runtime.plan import Step, carry_out, startup_plan
+from epd_serve.runtime.ray_host import ProcessHost, ProcessSpec
+from epd_serve.runtime.supervision import (
+    LaunchError,
+    prepare_work_dir,
+    probe,
+    process_tag,
+    state_path,
+    wait_healthy,
+    wait_serving,
+)
+from epd_serve.topology.placement import NODE_LABEL, ClusterSpec, NodeSpec, ray_resource_args
 
 _HostActor = ray.remote(ProcessHost)
 STATUS_TIMEOUT_S = 3.0
@@ -99,17 +111,28 @@ def local_node_args(node: NodeSpec, resource: str) -> dict[str, Any]:
             "num_cpus": 1, **ray_resource_args(resource, len(node.devices))}
 
 
-class RayLauncher(Launcher):
-    """Launcher for deployments with a `cluster:` section."""
+class RayLauncher:
+    """Launcher for deployments with a `cluster:` section: the same surface as the local
+    Launcher (start, wait_healthy, supervise_once, run_forever, stop, children)."""
 
-    def __init__(self, dep: ResolvedDeployment, platform=None, on_event=None):
-        super().__init__(dep, platform, on_event)
+    def __init__(self, dep: ResolvedDeployment,
+                 on_event: Callable[[str], None] | None = None):
         assert dep.config.cluster is not None
+        self.dep = dep
+        self.on_event = on_event or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self.log_dir = dep.work_dir / "logs"
+        self.state_path = state_path(dep)
+        self.children: list[RayChild] = []
+        self._stopping = False
+        self._token = secrets.token_hex(6)  # as the local launcher's: tags its processes
         self.cluster: ClusterSpec = dep.config.cluster
-        self.resource = self.platform.ray_resource
+        self.resource = dep.platform.ray_resource
         self.local_cluster = None  # ray.cluster_utils.Cluster when cluster.address is 'local'
         self._local_nodes: dict[str, Any] = {}
         self._placement_groups: list[PlacementGroup] = []
+        # instance -> (its device group, its share of the group's devices), reserved
+        # just before the first instance starts
+        self._device_groups: dict[str, tuple[PlacementGroup, float]] | None = None
         self._log_thread: threading.Thread | None = None
         self._logs_done = threading.Event()
 
@@ -154,28 +177,33 @@ class RayLauncher(Launcher):
 
     # -- bring up -----------------------------------------------------------
     def start(self) -> None:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.prepare_ec_dir()
+        """Start every step of the plan in order, each once the steps it waits on serve;
+        the devices are reserved (placement groups) before the first instance."""
+        self.log_dir = prepare_work_dir(self.dep)
         self._connect()
         self.children = []
         self._log_thread = threading.Thread(target=self._forward_logs, name="logs", daemon=True)
         self._log_thread.start()
-        for index, proc in enumerate(store_processes(self.dep.mm_store) if self.dep.mm_store else []):
-            # The first checks every store port: the later ones start after it listens.
-            ports = self.dep.store_ports() if index == 0 else {}
-            spec = self._spec(proc.name, proc.command, {}, ports=ports)
-            child = self._start_on_head(spec, proc.health_url)
-            self._wait_serving(child)
-        groups = self._reserve_devices()
-        for launch in self.dep.launches:
-            self._start_instance(launch, *groups[launch.name])
-        self._start_proxy()
+        carry_out(startup_plan(self.dep), self._start_step,
+                  lambda name: wait_serving(self._child_named(name), self.poll_health))
         self._write_state()
 
-    def _spec(self, name: str, command: list[str], env: dict[str, str], **extra) -> ProcessSpec:
-        address = extra.pop("address", self.cluster.head_node.address)
-        return ProcessSpec(name=name, command=command, env=env, tag=self._tag(name),
-                           max_restarts=self.dep.config.max_restarts, address=address, **extra)
+    def _start_step(self, step: Step) -> None:
+        if step.launch is None:
+            self._start_on_head(step)
+            return
+        if self._device_groups is None:
+            self._device_groups = self._reserve_devices()
+        self._start_instance(step, *self._device_groups[step.name])
+
+    def _spec(self, step: Step, **extra) -> ProcessSpec:
+        return ProcessSpec(name=step.name, command=list(step.command), env=dict(step.env),
+                           tag=process_tag(self.dep, step.name, self._token),
+                           max_restarts=self.dep.config.max_restarts, address=step.address,
+                           ports=step.ports, files=step.files, **extra)
+
+    def _child_named(self, name: str) -> RayChild:
+        return next(child for child in self.children if child.name == name)
 
     def _reserve_devices(self) -> dict[str, tuple[PlacementGroup, float]]:
         """One placement group per device group of the plan, on its node. Returns
@@ -201,28 +229,18 @@ class RayLauncher(Launcher):
                               "shows what each node has free)")
         return shares
 
-    def _start_instance(self, launch: InstanceLaunch, group: PlacementGroup, share: float) -> None:
-        spec = self._spec(launch.name, self.platform.command(launch),
-                          self.platform.environment(launch), address=launch.host,
-                          ports=launch.ports(), required_path=launch.model,
-                          device_env=self.platform.device_visibility_env,
+    def _start_instance(self, step: Step, group: PlacementGroup, share: float) -> None:
+        spec = self._spec(step, required_path=step.launch.model,
+                          device_env=self.dep.platform.device_visibility_env,
                           ray_resource=self.resource)
         options = resource_options(self.resource, share)
         options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, 0)
-        self._add_child(spec, launch.node, f"{launch.url}/health", options)
+        self._add_child(spec, step.node, step.health_url, options)
 
-    def _start_proxy(self) -> None:
-        config = proxy_config(self.dep).model_copy(
-            update={"roster_path": f"{RUN_DIR_PLACEHOLDER}/proxy-roster.json"})
-        command = [sys.executable, "-m", "epd_serve.proxy", "--config",
-                   f"{RUN_DIR_PLACEHOLDER}/proxy.json"]
-        spec = self._spec("proxy", command, {}, ports={self.dep.config.proxy_port: "proxy"},
-                          files={"proxy.json": config.model_dump_json(indent=2)})
-        self._start_on_head(spec, f"{self.dep.proxy_url}/ready")
-
-    def _start_on_head(self, spec: ProcessSpec, health_url: str) -> RayChild:
-        options = {"num_cpus": 0, "label_selector": {NODE_LABEL: self.cluster.head_node.name}}
-        return self._add_child(spec, self.cluster.head_node.name, health_url, options)
+    def _start_on_head(self, step: Step) -> RayChild:
+        """The proxy and the MM Store's servers: no devices, on the head node."""
+        options = {"num_cpus": 0, "label_selector": {NODE_LABEL: step.node}}
+        return self._add_child(self._spec(step), step.node, step.health_url, options)
 
     def _add_child(self, spec: ProcessSpec, node: str, health_url: str,
                    options: dict[str, Any]) -> RayChild:
@@ -237,10 +255,19 @@ class RayLauncher(Launcher):
     # -- keep up ------------------------------------------------------------
     def poll_health(self, client) -> None:
         self._refresh()
-        super().poll_health(client)
+        probe(self.children, client)
+
+    def wait_healthy(self, progress: Callable[[list[RayChild], float], None] | None = None) -> float:
+        return wait_healthy(self.children, self.poll_health, self.dep.config.health_timeout_s,
+                            self.log_dir, progress)
 
     def supervise_once(self) -> list[str]:
         return self._refresh()
+
+    def run_forever(self, interval: float = 2.0) -> None:
+        while not self._stopping:
+            self.supervise_once()
+            time.sleep(interval)
 
     def _ask(self, children: list[RayChild], call) -> dict[str, Any]:
         """`call(child)` (a method call on its actor) for every child at once. Returns

@@ -16,10 +16,12 @@ import signal
 import sys
 from pathlib import Path
 
-from epd_serve import topology
-from epd_serve.bench.cli import add_bench_parser
-from epd_serve.planner.cli import add_planner_parsers
-from epd_serve.config import PLATFORMS, ConfigError
+from epd_serve.backends import PLATFORMS
+from epd_serve.cli.bench import add_bench_parser
+from epd_serve.cli.planner import add_planner_parsers
+from epd_serve.deployment.config import ConfigError
+from epd_serve.engines.tinymodel import FAMILIES
+from epd_serve.topology import notation
 
 
 def _fail(message: str) -> int:
@@ -30,7 +32,7 @@ def _fail(message: str) -> int:
 def cmd_topology(args) -> int:
     if args.notation.endswith((".yaml", ".yml")) or Path(args.notation).is_file():
         return _deployment_topology(args)
-    plan = topology.parse(args.notation)
+    plan = notation.parse(args.notation)
     if args.json:
         print(json.dumps(plan.to_dict(), indent=2))
         return 0
@@ -45,8 +47,7 @@ def cmd_topology(args) -> int:
 
 def _deployment_topology(args) -> int:
     """A deployment file's instances: on which node, devices and address each runs."""
-    from epd_serve import deploy
-
+    from epd_serve.runtime import deploy
     dep = deploy.load(args.notation)
     rows = [{"name": l.name, "roles": l.instance.roles, "node": l.node, "address": l.host,
              "devices": list(l.devices), "url": l.url} for l in dep.launches]
@@ -64,7 +65,7 @@ def _deployment_topology(args) -> int:
 
 
 def cmd_model(args) -> int:
-    from epd_serve.tinymodel import Shape, build_tiny_model
+    from epd_serve.engines.tinymodel import Shape, build_tiny_model
 
     shape = Shape(layers=args.layers, hidden=args.hidden, heads=args.heads,
                   kv_heads=args.kv_heads)
@@ -74,8 +75,7 @@ def cmd_model(args) -> int:
 
 
 def cmd_up(args) -> int:
-    from epd_serve import deploy
-
+    from epd_serve.runtime import deploy
     launcher = deploy.bring_up(deploy.load(args.config), warmup=not args.no_warmup)
 
     def _terminate(signum, frame):
@@ -94,8 +94,8 @@ def cmd_up(args) -> int:
 
 
 def cmd_down(args) -> int:
-    from epd_serve import deploy
-    from epd_serve.launcher import stop_from_state
+    from epd_serve.runtime import deploy
+    from epd_serve.runtime.launcher import stop_from_state
 
     dep = deploy.load(args.config)
     stopped = stop_from_state(dep.work_dir / "state.json")
@@ -107,14 +107,12 @@ def cmd_down(args) -> int:
 
 
 def cmd_launch(args) -> int:
-    from epd_serve import deploy
-    from epd_serve.hal import get_platform
-    from epd_serve.shell import emit_shell
+    from epd_serve.runtime import deploy
+    from epd_serve.runtime.shell import emit_shell
 
     dep = deploy.load(args.config)
-    platform = get_platform(dep.config.platform)
     if args.emit_shell:
-        script = emit_shell(dep, platform, str(Path(args.config).resolve()))
+        script = emit_shell(dep, str(Path(args.config).resolve()))
         if args.output:
             Path(args.output).write_text(script)
             Path(args.output).chmod(0o755)
@@ -124,7 +122,7 @@ def cmd_launch(args) -> int:
         return 0
     for launch in dep.launches:
         print(f"# {launch.name} [{launch.instance.roles}]")
-        print(platform.shell_line(launch))
+        print(dep.platform.shell_line(launch))
     return 0
 
 
@@ -164,8 +162,7 @@ def _status_target(args) -> tuple[str, str | None]:
     if args.config and args.url:
         raise ValueError("give a deployment file or --url, not both")
     if args.config:
-        from epd_serve import deploy
-
+        from epd_serve.runtime import deploy
         dep = deploy.load(args.config)
         key_env = dep.config.proxy.api_key_env
         return dep.proxy_url, os.environ.get(key_env) if key_env else None
@@ -179,7 +176,7 @@ def cmd_status(args) -> int:
     from rich.live import Live
     from rich.text import Text
 
-    from epd_serve.status_view import render
+    from epd_serve.cli.status_view import render
 
     url, api_key = _status_target(args)
     if args.watch is not None and args.watch <= 0:
@@ -232,8 +229,7 @@ def cmd_status(args) -> int:
 
 
 def cmd_check_flags(args) -> int:
-    from epd_serve import flagcheck
-
+    from epd_serve.runtime import flagcheck
     if args.configs:
         configs = [Path(c) for c in args.configs]
     else:
@@ -252,8 +248,7 @@ def cmd_check_flags(args) -> int:
 def cmd_doctor(args) -> int:
     from rich.console import Console
 
-    from epd_serve import doctor
-
+    from epd_serve.cli import doctor
     config = args.config
     if config is None and Path(doctor.DEFAULT_CONFIG).is_file():
         config = doctor.DEFAULT_CONFIG
@@ -269,7 +264,7 @@ def cmd_doctor(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from epd_serve.demo import run_demo
+    from epd_serve.cli.demo import run_demo
 
     return run_demo(args.config, load_requests=args.requests, out_dir=args.out)
 
@@ -290,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("model", help="build models for testing")
     msub = p.add_subparsers(dest="model_command", required=True)
     t = msub.add_parser("tiny", help="a tiny random-weight Qwen-VL model, built offline")
-    t.add_argument("--family", choices=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"], default="qwen2_vl")
+    t.add_argument("--family", choices=FAMILIES, default=FAMILIES[0])
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--layers", type=int, default=2, help="language model layers (Qwen2-VL-7B: 28)")
     t.add_argument("--hidden", type=int, default=256, help="hidden size")
@@ -356,11 +351,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    from epd_serve.launcher import LaunchError
+    from epd_serve.runtime.supervision import LaunchError
 
     try:
         return args.func(args)
-    except (topology.NotationError, ConfigError, LaunchError, ValueError) as err:
+    except (notation.NotationError, ConfigError, LaunchError, ValueError) as err:
         return _fail(str(err))
     except KeyboardInterrupt:
         return 130

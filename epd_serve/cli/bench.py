@@ -1,4 +1,8 @@
-"""`epd-serve bench run | sweep | compare`: argument parsing for the load tool."""
+"""`epd-serve bench run | sweep | compare`: argument parsing for the load tool.
+
+The load options (`add_load_options`, `rate_list`, `load_spec`) are shared with the
+planner's commands (cli/planner.py), which describe their requests the same way.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,8 @@ from epd_serve.bench import arrivals, workloads
 from epd_serve.bench.metrics import SLO
 
 
-def _rates(text: str) -> list[float]:
+def rate_list(text: str) -> list[float]:
+    """`--rates 1,2,4`: positive numbers separated by commas."""
     try:
         rates = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -30,7 +35,8 @@ def _range(text: str) -> tuple[float, float]:
     return low, high
 
 
-def _common(p: argparse.ArgumentParser, needs_url: bool) -> None:
+def add_load_options(p: argparse.ArgumentParser, needs_url: bool) -> None:
+    """The workload, arrival process and SLO options every load command takes."""
     if needs_url:
         p.add_argument("--url", required=True, help="base URL, e.g. http://127.0.0.1:8000")
         p.add_argument("--model", required=True, help="model name the server answers to")
@@ -57,7 +63,8 @@ def _common(p: argparse.ArgumentParser, needs_url: bool) -> None:
     p.add_argument("--out", default="results/bench", help="report folder")
 
 
-def _spec(args, url: str = "", model: str = "", num_devices: int = 1):
+def load_spec(args, url: str = "", model: str = "", num_devices: int = 1):
+    """The LoadSpec the parsed options describe."""
     from epd_serve.bench.runner import LoadSpec
 
     if args.num_requests < 1:
@@ -77,7 +84,7 @@ def cmd_run(args) -> int:
     from epd_serve.bench.report import write_report
     from epd_serve.bench.runner import Bodies, run_once
 
-    spec = _spec(args)
+    spec = load_spec(args)
     if args.rate is None and args.process not in ("burst", "trace"):
         raise ValueError(f"--rate is required for the {args.process} process")
     from rich.console import Console
@@ -94,7 +101,7 @@ def cmd_sweep(args) -> int:
     from epd_serve.bench.report import write_report
     from epd_serve.bench.runner import Bodies, find_goodput, sweep
 
-    spec = _spec(args)
+    spec = load_spec(args)
     console = Console(stderr=True)
     bodies = Bodies(spec, console)
     results = sweep(spec, args.rates, args.label, console, bodies)
@@ -112,7 +119,7 @@ def cmd_sweep(args) -> int:
 def cmd_compare(args) -> int:
     from epd_serve.bench.runner import compare_deployments
 
-    spec = _spec(args)
+    spec = load_spec(args)
     out = compare_deployments(args.configs, spec, args.rates, Path(args.out), args.goodput)
     print(f"report: {out}")
     return 0
@@ -123,14 +130,14 @@ def add_bench_parser(sub) -> None:
     bsub = bench.add_subparsers(dest="bench_command", required=True)
 
     p = bsub.add_parser("run", help="one load run against an OpenAI-compatible endpoint")
-    _common(p, needs_url=True)
+    add_load_options(p, needs_url=True)
     p.add_argument("--rate", type=float, help="requests per second")
     p.add_argument("--label", default="", help="name in the report")
     p.set_defaults(func=cmd_run)
 
     p = bsub.add_parser("sweep", help="several rates (and optionally a goodput search)")
-    _common(p, needs_url=True)
-    p.add_argument("--rates", type=_rates, required=True, help="e.g. 1,2,4,8")
+    add_load_options(p, needs_url=True)
+    p.add_argument("--rates", type=rate_list, required=True, help="e.g. 1,2,4,8")
     p.add_argument("--goodput", type=_range, metavar="LOW:HIGH",
                    help="also binary-search the highest rate with >=90%% attainment")
     p.add_argument("--label", default="", help="name in the report")
@@ -138,7 +145,7 @@ def add_bench_parser(sub) -> None:
 
     p = bsub.add_parser("compare", help="bring up each deployment, run the same sweep, one report")
     p.add_argument("configs", nargs="+", help="deployment files")
-    _common(p, needs_url=False)
-    p.add_argument("--rates", type=_rates, required=True)
+    add_load_options(p, needs_url=False)
+    p.add_argument("--rates", type=rate_list, required=True)
     p.add_argument("--goodput", type=_range, metavar="LOW:HIGH")
     p.set_defaults(func=cmd_compare)

@@ -457,9 +457,9 @@ def deployment_rows(dep, config: str) -> list[Row]:
 
     import psutil
 
-    from epd_serve.hal import get_platform
-    from epd_serve.launcher import port_in_use
-    from epd_serve.tinymodel import is_model_dir
+    from epd_serve.engines.tinymodel import is_model_dir
+    from epd_serve.runtime.child import port_in_use
+    from epd_serve.runtime.plan import startup_plan
 
     name = dep.config.platform
     rows = []
@@ -478,10 +478,8 @@ def deployment_rows(dep, config: str) -> list[Row]:
     rows.append(check_model(str(dep.model_dir), is_model_dir(dep.model_dir),
                             dep.config.tiny_model))
 
-    ports = [(dep.proxy_host, port, user)
-             for port, user in {dep.config.proxy_port: "proxy", **dep.store_ports()}.items()]
-    for launch in dep.launches:
-        ports += [(launch.host, port, user) for port, user in launch.ports().items()]
+    ports = [(step.address, port, user)
+             for step in startup_plan(dep) for port, user in step.ports.items()]
     rows.append(check_ports(ports, is_local_host, port_in_use, config))
 
     store = dep.mm_store
@@ -492,8 +490,7 @@ def deployment_rows(dep, config: str) -> list[Row]:
     rows.append(check_dev_shm(store.backend if store_here else None, arena, len(here),
                               shm.f_bavail * shm.f_frsize, shm.f_blocks * shm.f_frsize, config))
 
-    plat = get_platform(name)
-    needs = [(l.name, plat.host_memory_gib(l)) for l in here]
+    needs = [(l.name, dep.platform.host_memory_gib(l)) for l in here]
     if store_here:
         needs.append((f"MM Store ({store.backend})", store.capacity_bytes / GIB))
     if is_local_host(dep.proxy_host):
@@ -511,8 +508,8 @@ def collect(config_path: str | None) -> list[Row]:
                                            f"{DEFAULT_CONFIG} here): engine stack, model, "
                                            "ports, /dev/shm and memory not checked",
                     "name one: epd-serve doctor configs/cpu/e-p-d.yaml")]
-    from epd_serve import deploy
-    from epd_serve.config import ConfigError
+    from epd_serve.deployment.config import ConfigError
+    from epd_serve.runtime import deploy
 
     try:
         dep = deploy.load(config_path)

@@ -15,7 +15,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from epd_serve.topology import Instance, Plan
+from epd_serve.topology.notation import Instance, Plan
 
 # The Ray node label whose value is a node's name in the deployment file
 # (`ray start --labels epd-node=<name>`); placement groups select nodes by it.

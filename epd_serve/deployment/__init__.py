@@ -1,0 +1,1 @@
+"""A deployment file read, validated and resolved into every process's launch spec, once."""

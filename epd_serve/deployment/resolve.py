@@ -1,0 +1,193 @@
+"""A deployment file resolved into concrete processes: the platform, the MM Store's spec
+and one InstanceLaunch per instance of the plan, each computed once.
+
+Pure Python; runs in the CLI and the launcher. Errors are one-line ConfigErrors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from epd_serve.backends import get_platform
+from epd_serve.deployment.config import ArgValue, ConfigError, Deployment
+from epd_serve.engines.hal import InstanceLaunch, Platform, ec_role_for, kv_role_for, memory_shares
+from epd_serve.engines.kv_protocols import get_protocol
+from epd_serve.mmstore.spec import StoreSpec
+from epd_serve.topology import notation
+from epd_serve.topology.placement import ClusterSpec, PlacementError, Slot, place
+
+
+def _flag_args(args: dict[str, ArgValue]) -> list[str]:
+    """{'limit_mm_per_prompt': '{..}', 'enforce_eager': True} -> CLI flags."""
+    out: list[str] = []
+    for key, value in args.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True or value is None:
+            out.append(flag)
+        elif value is False:
+            continue
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+def resolve(config: Deployment, root: Path) -> ResolvedDeployment:
+    """Turn a deployment file into one InstanceLaunch per instance of its plan."""
+    plan = config.plan
+    platform = get_platform(config.platform)
+    model = _absolute(config.model, root)
+    work_dir = _absolute(config.work_dir or f".epd/{config.name}", root)
+    slots = slots_of(config)
+    shares = memory_shares(plan)
+    protocol = kv_protocol_of(config, platform)
+    store = store_spec_of(config, platform)
+    launches = []
+    next_kv_port = config.kv_base_port
+    next_prefetch_port = config.mm_store.prefetch_base_port
+    for index, inst in enumerate(plan.instances):
+        args = dict(config.engine_args)
+        for role, role_args in config.role_engine_args.items():
+            if role in inst.roles:
+                args.update(role_args)
+        kv_role = kv_role_for(inst)
+        kv_port = None
+        if kv_role is not None:
+            kv_port = next_kv_port
+            next_kv_port += inst.tensor_parallel
+        ec_role = ec_role_for(inst, plan, decode_consumes=store is not None)
+        prefetch_port = None
+        if store is not None and ec_role == "ec_consumer" and inst.has(notation.Role.PREFILL):
+            prefetch_port = next_prefetch_port
+            next_prefetch_port += 1
+        launches.append(
+            InstanceLaunch(
+                instance=inst,
+                model=str(model),
+                served_model_name=config.served_model_name or model.name,
+                host=slots[inst.name].address,
+                port=config.base_port + index,
+                devices=slots[inst.name].devices,
+                node=slots[inst.name].node,
+                memory_share=shares[inst.name],
+                max_model_len=config.max_model_len,
+                ec_role=ec_role,
+                ec_storage_path=str(work_dir / "ec_cache"),
+                mm_store=store if ec_role is not None else None,
+                prefetch_port=prefetch_port,
+                kv_role=kv_role,
+                kv_protocol=protocol,
+                kv_port=kv_port,
+                kv_config=tuple(sorted(config.kv_connector_config.items())),
+                extra_args=tuple(_flag_args(args)),
+                extra_env=tuple(sorted(config.env.items())),
+            )
+        )
+    if store is not None and store.backend == "shm" and config.cluster is not None:
+        _check_store_on_head(config.cluster, config.name, launches)
+    return ResolvedDeployment(config=config, plan=plan, platform=platform, mm_store=store,
+                              model_dir=model, work_dir=work_dir, launches=launches,
+                              proxy_host=proxy_host_of(config))
+
+
+def slots_of(config: Deployment) -> dict[str, Slot]:
+    """Where each instance runs: the cluster's placement, or this host's devices."""
+    plan = config.plan
+    if config.cluster is not None:
+        try:
+            return place(plan, config.cluster)
+        except PlacementError as err:
+            raise ConfigError(f"{config.name}: {err}") from None
+    device_map = config.devices or list(range(plan.num_devices))
+    if len(device_map) < plan.num_devices:
+        raise ConfigError(
+            f"{config.name}: the plan {plan.to_notation()!r} needs {plan.num_devices} devices "
+            f"but 'devices' lists {len(device_map)}"
+        )
+    return {inst.name: Slot("local", config.host, tuple(device_map[d] for d in inst.devices))
+            for inst in plan.instances}
+
+
+def proxy_host_of(config: Deployment) -> str:
+    """The proxy and the MM Store's servers run on the cluster's head, or on this host."""
+    return config.cluster.head_node.address if config.cluster is not None else config.host
+
+
+def _check_store_on_head(cluster: ClusterSpec, name: str, launches: list[InstanceLaunch]) -> None:
+    """The shm store is one host's shared memory: every user must be on the head."""
+    head = cluster.head_node.name
+    away = [f"{l.name} on {l.node}" for l in launches if l.mm_store is not None and l.node != head]
+    if away:
+        raise ConfigError(f"{name}: mm_store backend 'shm' is shared memory on the "
+                          f"head node {head}, but {', '.join(away)} also use it: set "
+                          "mm_store: {backend: mooncake} to share features across nodes")
+
+
+def kv_protocol_of(config: Deployment, platform: Platform) -> str:
+    """The deployment's KV protocol, checked against its platform and settings."""
+    name = config.kv_connector or platform.default_kv_protocol
+    try:
+        protocol = get_protocol(name)
+        platform.kv_connector(name)
+        protocol.validate(dict(config.kv_connector_config))
+    except ValueError as err:
+        raise ConfigError(f"{config.name}: {err}") from None
+    return name
+
+
+def store_spec_of(config: Deployment, platform: Platform) -> StoreSpec | None:
+    """The deployment's MM Store, or None where features go through vLLM's file
+    connector or nothing is encoded apart (no encoder-only instance)."""
+    store = config.mm_store
+    if store.backend == "file" or not any(i.roles == "E" for i in config.plan.instances):
+        return None
+    if (why := platform.own_connectors_unavailable) is not None:
+        if "backend" not in store.model_fields_set:
+            return None  # this platform's default is vLLM's file connector
+        raise ConfigError(f"{config.name}: mm_store backend {store.backend!r} does not run on "
+                          f"{config.platform}: {why}. Set mm_store: {{backend: file}}.")
+    return StoreSpec(backend=store.backend, host=proxy_host_of(config), port=store.port,
+                     metrics_port=store.metrics_port, capacity_bytes=int(store.capacity),
+                     name=config.name, protocol=store.protocol)
+
+
+def _absolute(value: str, root: Path) -> Path:
+    path = Path(value).expanduser()
+    return path if path.is_absolute() else (root / path).resolve()
+
+
+@dataclasses.dataclass
+class ResolvedDeployment:
+    """A deployment file turned into concrete processes: one launch per instance."""
+
+    config: Deployment
+    plan: notation.Plan
+    platform: Platform  # the HAL backend that starts its engines
+    mm_store: StoreSpec | None  # the MM Store; None: vLLM's file connector or no encoder
+    model_dir: Path
+    work_dir: Path
+    launches: list[InstanceLaunch]
+    proxy_host: str = "127.0.0.1"  # where the proxy (and the MM Store's servers) run
+
+    @property
+    def proxy_url(self) -> str:
+        return f"http://{self.proxy_host}:{self.config.proxy_port}"
+
+    def store_ports(self) -> dict[int, str]:
+        """The MM Store servers' ports -> what for (none without a store)."""
+        if (store := self.mm_store) is None:
+            return {}
+        ports = {store.port: f"MM Store ({store.backend})", store.metrics_port: "MM Store metrics"}
+        if store.backend == "mooncake":
+            ports[store.holder_port] = "MM Store memory holder (mooncake)"
+        return ports
+
+    def ports(self) -> dict[int, str]:
+        """Every port the deployment listens on -> who uses it."""
+        ports = {self.config.proxy_port: "proxy", **self.store_ports()}
+        for launch in self.launches:
+            ports.update(launch.ports())
+        return ports
+
+
+__all__ = ["ResolvedDeployment", "resolve"]

@@ -1,0 +1,179 @@
+"""Starts, watches and stops every process of a deployment on one host: the start-up
+plan (epd_serve/runtime/plan.py) carried out with local processes.
+
+Runs in the `epd-serve up` process (or a test fixture); `stop_from_state` runs in
+`epd-serve down`. Each child gets its own process group, is told to die with the
+launcher (PR_SET_PDEATHSIG) and carries a tag that all its descendants inherit; a dead
+child's whole tree is killed before it is restarted, and every tree on stop
+(epd_serve/runtime/proctree.py). State (pids and tags) goes to <work_dir>/state.json so
+`epd-serve down` can do the same for a deployment started elsewhere.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+
+from epd_serve.deployment.config import ConfigError
+from epd_serve.deployment.resolve import ResolvedDeployment
+from epd_serve.engines.hal import Platform
+from epd_serve.engines.tinymodel import is_model_dir
+from epd_serve.runtime.child import STOP_GRACE_S, Child, port_in_use
+from epd_serve.runtime.plan import ROSTER_FILE, Step, carry_out, fill_run_dir, startup_plan
+from epd_serve.runtime.proctree import KILL_WAIT_S, ProcessTree, kill_trees
+from epd_serve.runtime.supervision import (
+    LaunchError,
+    prepare_work_dir,
+    probe,
+    process_tag,
+    state_path,
+    wait_healthy,
+    wait_serving,
+)
+
+
+def preflight(dep: ResolvedDeployment) -> None:
+    """Everything that would make start-up fail, checked before anything starts."""
+    if not is_model_dir(dep.model_dir):
+        raise ConfigError(
+            f"model directory {str(dep.model_dir)!r} not found or has no weights; build the "
+            f"tiny test model with `epd-serve model tiny --family qwen2_vl {dep.model_dir}` "
+            "or point 'model' at a real checkpoint"
+        )
+    for port, user in sorted(dep.ports().items()):
+        if port_in_use(dep.config.host, port):
+            raise ConfigError(
+                f"port {port} ({user}) on {dep.config.host} is in use; stop what holds it "
+                f"(`epd-serve down CONFIG` if it is an earlier deployment) or change "
+                "proxy_port/base_port/kv_base_port in the deployment file"
+            )
+    try:
+        dep.platform.check_available()
+    except RuntimeError as err:
+        raise LaunchError(str(err)) from None
+
+
+class Launcher:
+    """Brings a resolved deployment up on this host, keeps it up, and brings it down.
+    `platform` replaces the deployment's own HAL (tests start fake engines with it)."""
+
+    def __init__(self, dep: ResolvedDeployment, platform: Platform | None = None,
+                 on_event: Callable[[str], None] | None = None):
+        self.dep = dep if platform is None else dataclasses.replace(dep, platform=platform)
+        self.on_event = on_event or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self.log_dir = dep.work_dir / "logs"
+        self.state_path = state_path(dep)
+        self.children: list[Child] = []
+        self._stopping = False
+        # Tells this launcher's processes apart from those of another launcher of the
+        # same deployment (say a test and a developer's `epd-serve up`).
+        self._token = secrets.token_hex(6)
+
+    # -- bring up -----------------------------------------------------------
+    def start(self) -> None:
+        """Start every step of the plan in order, each once the steps it waits on serve."""
+        preflight(self.dep)
+        self.log_dir = prepare_work_dir(self.dep)
+        (self.dep.work_dir / ROSTER_FILE).unlink(missing_ok=True)  # a new deployment
+        self.children = []
+        carry_out(startup_plan(self.dep), self._start_step,
+                  lambda name: wait_serving(self._child_named(name), self.poll_health))
+
+    def _start_step(self, step: Step) -> None:
+        run_dir = str(self.dep.work_dir)
+        for file_name, text in step.files.items():
+            (self.dep.work_dir / file_name).write_text(fill_run_dir(text, run_dir))
+        child = Child(name=step.name, command=[fill_run_dir(w, run_dir) for w in step.command],
+                      env=dict(step.env), log_path=self.log_dir / f"{step.name}.log",
+                      health_url=step.health_url,
+                      tag=process_tag(self.dep, step.name, self._token))
+        self.children.append(child)
+        child.start()
+        self._write_state()
+
+    def _child_named(self, name: str) -> Child:
+        return next(child for child in self.children if child.name == name)
+
+    def _write_state(self) -> None:
+        state = {
+            "config": self.dep.config.name,
+            "launcher_pid": os.getpid(),
+            "children": {c.name: c.process.pid for c in self.children if c.process},
+            "process_tags": {c.name: c.tag for c in self.children if c.tag},
+            "proxy_url": self.dep.proxy_url,
+        }
+        self.state_path.write_text(json.dumps(state, indent=2))
+
+    def poll_health(self, client: httpx.Client) -> None:
+        probe(self.children, client)
+
+    def wait_healthy(self, progress: Callable[[list[Child], float], None] | None = None) -> float:
+        """Block until every process answers its health URL; returns seconds taken. An
+        instance that exits during start-up fails the launch with its log tail."""
+        return wait_healthy(self.children, self.poll_health, self.dep.config.health_timeout_s,
+                            self.log_dir, progress)
+
+    # -- keep up ------------------------------------------------------------
+    def supervise_once(self) -> list[str]:
+        """Restart children that died; returns what happened (one line each)."""
+        events = []
+        for child in self.children:
+            if not self._stopping and (event := child.revive(self.dep.config.max_restarts)):
+                events.append(event)
+        if events:
+            self._write_state()
+            for event in events:
+                self.on_event(event)
+        return events
+
+    def run_forever(self, interval: float = 2.0) -> None:
+        while not self._stopping:
+            self.supervise_once()
+            time.sleep(interval)
+
+    # -- bring down ---------------------------------------------------------
+    def stop(self) -> None:
+        """Kill every child's whole tree, leftovers of earlier incarnations included."""
+        self._stopping = True
+        kill_trees([child.tree() for child in self.children], STOP_GRACE_S)
+        for child in self.children:
+            if child.process is not None:
+                try:
+                    child.process.wait(timeout=KILL_WAIT_S)  # reap the leader
+                except subprocess.TimeoutExpired:
+                    pass
+        self.state_path.unlink(missing_ok=True)
+
+
+def trees_from_state(state: dict) -> list[ProcessTree]:
+    tags = state.get("process_tags", {})
+    trees = [ProcessTree(tags.get(name), pid) for name, pid in state.get("children", {}).items()]
+    # A child may be missing from "children" (never started) yet have left tagged processes.
+    trees += [ProcessTree(tag, None) for name, tag in tags.items()
+              if name not in state.get("children", {})]
+    return trees
+
+
+def stop_from_state(state_path: Path, grace_s: float = STOP_GRACE_S) -> list[str]:
+    """`epd-serve down`: kill every process tree a launcher recorded."""
+    if not state_path.is_file():
+        return []
+    state = json.loads(state_path.read_text())
+    launcher_pid = state.get("launcher_pid")
+    if launcher_pid and launcher_pid != os.getpid():
+        try:
+            os.kill(launcher_pid, signal.SIGTERM)  # stops supervision (and restarts) first
+        except ProcessLookupError:
+            pass
+    kill_trees(trees_from_state(state), grace_s)
+    state_path.unlink(missing_ok=True)
+    return list(state.get("children", {}))

@@ -1,0 +1,128 @@
+"""The start-up plan: a resolved deployment as the ordered list of processes to start,
+each with its command line, environment, node and devices, what answers when it is up,
+and which earlier processes must be serving before it starts.
+
+Pure (no I/O). The local launcher, the Ray launcher and the shell emitter all start
+exactly this list in this order, so the three cannot drift apart. The order: the MM
+Store's servers (engines connect to the store as they start, so each must serve before
+anything after it starts), then the instances in plan order, then the proxy, which is up
+when its /ready answers (every instance has answered the proxy's own probe).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Callable
+from typing import Literal
+
+from epd_serve.deployment.resolve import ResolvedDeployment
+from epd_serve.engines.hal import InstanceLaunch
+from epd_serve.engines.kv_protocols import get_protocol
+from epd_serve.mmstore.service import store_processes
+from epd_serve.proxy.config import InstanceEntry, ProxyConfig
+
+# Stands for the folder that holds a process's own files (the proxy's config and its
+# roster) in commands and file contents: the work directory on one host, a node-local
+# folder on Ray, "$WORK" in a shell script.
+RUN_DIR = "{run_dir}"
+PROXY_CONFIG_FILE = "proxy.json"
+ROSTER_FILE = "proxy-roster.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One process of the deployment."""
+
+    name: str
+    kind: Literal["store", "instance", "proxy"]
+    command: tuple[str, ...]
+    env: dict[str, str]  # on top of the starter's own environment
+    node: str  # the cluster node it runs on ("local": one host, no cluster)
+    address: str  # the address it serves on
+    health_url: str  # answers 200 once the process is up
+    waits_on: tuple[str, ...] = ()  # earlier steps that must be serving before it starts
+    ports: dict[int, str] = dataclasses.field(default_factory=dict)  # must be free first
+    files: dict[str, str] = dataclasses.field(default_factory=dict)  # written into RUN_DIR
+    launch: InstanceLaunch | None = None  # instances: devices, memory share, stages
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        return self.launch.devices if self.launch is not None else ()
+
+
+def startup_plan(dep: ResolvedDeployment) -> list[Step]:
+    """Every process of `dep`, in start order."""
+    head = dep.config.cluster.head_node.name if dep.config.cluster is not None else "local"
+    steps: list[Step] = []
+    stores: tuple[str, ...] = ()
+    if dep.mm_store is not None:
+        for index, proc in enumerate(store_processes(dep.mm_store)):
+            # The first claims every store port: a later one's port must not be taken
+            # by anything else while the first starts.
+            steps.append(Step(name=proc.name, kind="store", command=tuple(proc.command), env={},
+                              node=head, address=dep.proxy_host, health_url=proc.health_url,
+                              waits_on=stores, ports=dep.store_ports() if index == 0 else {}))
+            stores += (proc.name,)
+    for launch in dep.launches:
+        steps.append(Step(name=launch.name, kind="instance",
+                          command=tuple(dep.platform.command(launch)),
+                          env=dep.platform.environment(launch), node=launch.node,
+                          address=launch.host, health_url=f"{launch.url}/health",
+                          waits_on=stores, ports=launch.ports(), launch=launch))
+    steps.append(Step(
+        name="proxy", kind="proxy",
+        command=(sys.executable, "-m", "epd_serve.proxy", "--config",
+                 f"{RUN_DIR}/{PROXY_CONFIG_FILE}"),
+        env={}, node=head, address=dep.proxy_host,
+        # Ready, not only up: every instance has answered the proxy's own probe (else
+        # the first image may find no encoder the proxy knows is healthy).
+        health_url=f"{dep.proxy_url}/ready", waits_on=stores,
+        ports={dep.config.proxy_port: "proxy"},
+        files={PROXY_CONFIG_FILE: proxy_config(dep).model_dump_json(indent=2)}))
+    return steps
+
+
+def carry_out(steps: list[Step], start: Callable[[Step], object],
+              wait_for: Callable[[str], object]) -> None:
+    """Start `steps` in order, each after waiting (once per name) for the earlier steps it
+    waits on to serve: how every launcher walks the plan."""
+    serving: set[str] = set()
+    for step in steps:
+        for name in step.waits_on:
+            if name not in serving:
+                wait_for(name)
+                serving.add(name)
+        start(step)
+
+
+def proxy_config(dep: ResolvedDeployment) -> ProxyConfig:
+    """The proxy's typed view of the deployment, KV hand-off and MM Store included. Its
+    roster (instances registered at run time) is kept in RUN_DIR across proxy restarts."""
+    instances = []
+    for launch in dep.launches:
+        endpoint = None
+        if launch.kv_role is not None:
+            endpoint = get_protocol(launch.kv_protocol).proxy_endpoint(launch)
+        prefetch = None
+        if launch.prefetch_port is not None:
+            prefetch = f"{launch.host}:{launch.prefetch_port}"
+        instances.append(InstanceEntry(name=launch.name, roles=launch.instance.roles,
+                                       url=launch.url, kv_endpoint=endpoint,
+                                       prefetch_endpoint=prefetch))
+    return ProxyConfig(
+        **dep.config.proxy.model_dump(),
+        roster_path=f"{RUN_DIR}/{ROSTER_FILE}",
+        model=dep.launches[0].served_model_name,
+        host=dep.proxy_host,
+        port=dep.config.proxy_port,
+        kv_protocol=dep.launches[0].kv_protocol,
+        mm_store=dep.mm_store.to_json() if dep.mm_store is not None else None,
+        fault_injection=dep.config.fault_injection,
+        instances=instances,
+    )
+
+
+def fill_run_dir(text: str, run_dir: str) -> str:
+    """`text` with RUN_DIR replaced by where the process's files are."""
+    return text.replace(RUN_DIR, run_dir)

@@ -1,0 +1,1 @@
+"""Test doubles: a fake OpenAI-compatible engine server (needs the [dev] extra: FastAPI, uvicorn)."""
