@@ -51,7 +51,7 @@ LOCAL_OBJECT_STORE_BYTES = 100 << 20  # nothing of ours goes through Ray's objec
 
 @dataclasses.dataclass
 class RayChild:
-    """One process as the driver sees it: the same surface as launcher.Child (name,
+    """One process as the driver sees it: the same surface as child.Child (name,
     health, exit code, log) for the start-up progress and the health wait."""
 
     name: str
