@@ -155,29 +155,31 @@ SCORE: dict[str, Scorer] = {
 @dataclasses.dataclass(frozen=True)
 class Policy:
     name: str  # the preset, or the weights as the deployment file writes them
-    weights: Mapping[str, float]
+    weights: Mapping[str, float]  # the scorers that count (weight > 0)
+    keyless: Mapping[str, float]  # those that count for a request without an image key
     two_choices: bool = False  # pick the better of two at random, then the rest
 
     @classmethod
     def of(cls, spec: str | Mapping[str, float]) -> "Policy":
-        """A preset name or `{scorer: weight}` (config.py has checked it)."""
+        """A preset name or `{scorer: weight}` (config.py has checked it). The weights
+        are settled here, once, not on every request."""
         preset = resolve(spec)
         name = spec if isinstance(spec, str) else describe(preset.weights)
-        return cls(name, preset.weights, preset.two_choices)
+        weights = {scorer: w for scorer, w in preset.weights.items() if w > 0}
+        # Affinity alone and no key: least-loaded decides, not the rotation (as before).
+        keyless = {scorer: w for scorer, w in weights.items() if scorer != AFFINITY} or KEYLESS
+        return cls(name, weights, keyless, preset.two_choices)
 
     @property
     def affinity(self) -> bool:
         """Whether the image key weighs in (the encoder stage then keeps a request's
         images on their own encoders instead of spreading them)."""
-        return self.weights.get(AFFINITY, 0.0) > 0
+        return AFFINITY in self.weights
 
     def totals(self, pool: Sequence[InstanceState], req: RouteRequest) -> list[float]:
         """Each instance's weighted sum of scores."""
-        weights = {name: w for name, w in self.weights.items()
-                   if w > 0 and not (name == AFFINITY and req.key is None)}
         totals = [0.0] * len(pool)
-        # Affinity alone and no key: least-loaded decides, not the rotation (as before).
-        for name, weight in (weights or KEYLESS).items():
+        for name, weight in (self.keyless if req.key is None else self.weights).items():
             for k, score in enumerate(SCORE[name](pool, req)):
                 totals[k] += weight * score
         return totals
