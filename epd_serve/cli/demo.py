@@ -22,6 +22,7 @@ from epd_serve.engines.instance_metrics import Counters, snapshot
 from epd_serve.engines.payloads import chat_body, image_data_url, make_image
 from epd_serve.proxy.upstream import error_message
 from epd_serve.runtime.progress import explain_failure, instance_status
+from epd_serve.runtime.supervision import log_dir
 
 COUNTERS_WAIT_S = 10.0
 
@@ -52,8 +53,8 @@ def read_counters(client: httpx.Client, dep) -> dict[str, Counters | str]:
     counters: dict[str, Counters | str] = {}
     for launch in dep.launches:
         try:
-            counters[launch.name] = snapshot(launch.url, dep.work_dir / "logs" /
-                                             f"{launch.name}.log", client)
+            counters[launch.name] = snapshot(launch.url, log_dir(dep) / f"{launch.name}.log",
+                                             client)
         except httpx.HTTPError as err:
             counters[launch.name] = f"down or restarting ({type(err).__name__})"
     return counters

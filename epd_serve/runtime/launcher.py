@@ -32,6 +32,7 @@ from epd_serve.runtime.plan import ROSTER_FILE, Step, carry_out, fill_run_dir, s
 from epd_serve.runtime.proctree import KILL_WAIT_S, ProcessTree, kill_trees
 from epd_serve.runtime.supervision import (
     LaunchError,
+    log_dir,
     prepare_work_dir,
     probe,
     process_tag,
@@ -70,7 +71,7 @@ class Launcher:
                  on_event: Callable[[str], None] | None = None):
         self.dep = dep if platform is None else dataclasses.replace(dep, platform=platform)
         self.on_event = on_event or (lambda msg: print(msg, file=sys.stderr, flush=True))
-        self.log_dir = dep.work_dir / "logs"
+        self.log_dir = log_dir(dep)
         self.state_path = state_path(dep)
         self.children: list[Child] = []
         self._stopping = False
@@ -82,7 +83,7 @@ class Launcher:
     def start(self) -> None:
         """Start every step of the plan in order, each once the steps it waits on serve."""
         preflight(self.dep)
-        self.log_dir = prepare_work_dir(self.dep)
+        prepare_work_dir(self.dep)
         (self.dep.work_dir / ROSTER_FILE).unlink(missing_ok=True)  # a new deployment
         self.children = []
         carry_out(startup_plan(self.dep), self._start_step,

@@ -17,7 +17,7 @@ from rich.table import Table
 from epd_serve.engines.payloads import chat_body, image_data_url, make_image
 from epd_serve.proxy.upstream import error_message
 from epd_serve.runtime.child import log_tail
-from epd_serve.runtime.supervision import LaunchError
+from epd_serve.runtime.supervision import LaunchError, log_dir
 
 
 class StartupProgress:
@@ -111,7 +111,7 @@ def explain_failure(dep, what: str, problem: str, before: dict[str, dict],
         culprits = {"proxy": "no instance was found at fault"}
     lines = [f"the {what} through {dep.proxy_url} failed: {problem}"]
     for name, why in culprits.items():
-        log = dep.work_dir / "logs" / f"{name}.log"
+        log = log_dir(dep) / f"{name}.log"
         stage = f" [{roles[name]}]" if name in roles else ""
         lines.append(f"{name}{stage}: {why}; last lines of {log}:")
         lines.append(log_tail(log, 20) or "    (empty)")

@@ -34,6 +34,7 @@ from epd_serve.runtime.plan import Step, carry_out, startup_plan
 from epd_serve.runtime.ray_host import ProcessHost, ProcessSpec
 from epd_serve.runtime.supervision import (
     LaunchError,
+    log_dir,
     prepare_work_dir,
     probe,
     process_tag,
@@ -120,7 +121,7 @@ class RayLauncher:
         assert dep.config.cluster is not None
         self.dep = dep
         self.on_event = on_event or (lambda msg: print(msg, file=sys.stderr, flush=True))
-        self.log_dir = dep.work_dir / "logs"
+        self.log_dir = log_dir(dep)
         self.state_path = state_path(dep)
         self.children: list[RayChild] = []
         self._stopping = False
@@ -179,7 +180,7 @@ class RayLauncher:
     def start(self) -> None:
         """Start every step of the plan in order, each once the steps it waits on serve;
         the devices are reserved (placement groups) before the first instance."""
-        self.log_dir = prepare_work_dir(self.dep)
+        prepare_work_dir(self.dep)
         self._connect()
         self.children = []
         self._log_thread = threading.Thread(target=self._forward_logs, name="logs", daemon=True)

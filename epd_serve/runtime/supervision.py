@@ -86,15 +86,18 @@ def state_path(dep: ResolvedDeployment) -> Path:
     return dep.work_dir / "state.json"
 
 
-def prepare_work_dir(dep: ResolvedDeployment) -> Path:
+def log_dir(dep: ResolvedDeployment) -> Path:
+    """Where every process's log is kept (<name>.log)."""
+    return dep.work_dir / "logs"
+
+
+def prepare_work_dir(dep: ResolvedDeployment) -> None:
     """The log folder, and an empty folder for vLLM's file EC connector (features of an
-    earlier run are stale). Returns the log folder."""
-    log_dir = dep.work_dir / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
+    earlier run are stale)."""
+    log_dir(dep).mkdir(parents=True, exist_ok=True)
     ec_dir = dep.work_dir / "ec_cache"
     shutil.rmtree(ec_dir, ignore_errors=True)
     ec_dir.mkdir(parents=True)
-    return log_dir
 
 
 def process_tag(dep: ResolvedDeployment, name: str, token: str) -> str:
