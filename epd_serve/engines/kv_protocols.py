@@ -65,7 +65,9 @@ class EPDPush(KVProtocol):
     def transfer_config(self, launch, connector, user_config, tensor_parallel):
         cfg = super().transfer_config(launch, connector, user_config, tensor_parallel)
         cfg["kv_port"] = launch.kv_port  # prefill rank r serves its side channel on + r
-        cfg.setdefault("kv_connector_extra_config", {})["host"] = launch.host
+        extra = cfg.setdefault("kv_connector_extra_config", {})
+        extra["host"] = launch.host
+        extra["role"] = launch.kv_role  # so decode keeps full CUDA graphs (connector.py)
         return cfg
 
     def proxy_endpoint(self, launch):

@@ -67,9 +67,9 @@ def engine_launches(config_path: Path, build_models: bool = True) -> list[dict[s
     platform = dep.platform
     program = platform.engine_launcher()
     entries = []
-    for step in startup_plan(dep):
-        if step.launch is None:
-            continue
+    # In plan order (the start order puts instances that share a device later).
+    steps = {step.name: step for step in startup_plan(dep)}
+    for step in (steps[launch.name] for launch in dep.launches):
         model, command = step.launch.model, list(step.command)
         # `vllm serve MODEL ...` or `python -m ...api_server --model MODEL ...`
         if command[:len(program) + 1] != [*program, model]:

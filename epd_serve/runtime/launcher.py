@@ -81,13 +81,16 @@ class Launcher:
 
     # -- bring up -----------------------------------------------------------
     def start(self) -> None:
-        """Start every step of the plan in order, each once the steps it waits on serve."""
+        """Start every step of the plan in order, each once the steps it waits on serve
+        (saying why through on_event)."""
         preflight(self.dep)
         prepare_work_dir(self.dep)
         (self.dep.work_dir / ROSTER_FILE).unlink(missing_ok=True)  # a new deployment
         self.children = []
-        carry_out(startup_plan(self.dep), self._start_step,
-                  lambda name: wait_serving(self._child_named(name), self.poll_health))
+        carry_out(startup_plan(self.dep), self._start_step, self._wait_serving, self.on_event)
+
+    def _wait_serving(self, step: Step) -> None:
+        wait_serving(self._child_named(step.name), self.poll_health, step.start_timeout_s)
 
     def _start_step(self, step: Step) -> None:
         run_dir = str(self.dep.work_dir)

@@ -1,12 +1,19 @@
 """The start-up plan: a resolved deployment as the ordered list of processes to start,
 each with its command line, environment, node and devices, what answers when it is up,
-and which earlier processes must be serving before it starts.
+and which earlier processes must be serving before it starts, and why.
 
 Pure (no I/O). The local launcher, the Ray launcher and the shell emitter all start
 exactly this list in this order, so the three cannot drift apart. The order: the MM
 Store's servers (engines connect to the store as they start, so each must serve before
-anything after it starts), then the instances in plan order, then the proxy, which is up
-when its /ready answers (every instance has answered the proxy's own probe).
+anything after it starts), then the instances, then the proxy, which is up when its
+/ready answers (every instance has answered the proxy's own probe).
+
+Instances that share a device start one after another: vLLM sizes its KV cache from
+how the device's free memory changes while it profiles, so a neighbour that allocates
+at the same time skews that size or fails the start. An instance therefore waits for
+the health of the instance before it on each of its devices. Instances start in plan
+order, except that those that must wait come after every instance that need not (and
+so on, round by round), so instances on distinct devices still start together.
 """
 
 from __future__ import annotations
@@ -41,7 +48,9 @@ class Step:
     node: str  # the cluster node it runs on ("local": one host, no cluster)
     address: str  # the address it serves on
     health_url: str  # answers 200 once the process is up
-    waits_on: tuple[str, ...] = ()  # earlier steps that must be serving before it starts
+    start_timeout_s: float  # how long it may take to answer health_url
+    # Earlier steps that must be serving before it starts -> why ("they share cuda:0").
+    waits_on: dict[str, str] = dataclasses.field(default_factory=dict)
     ports: dict[int, str] = dataclasses.field(default_factory=dict)  # must be free first
     files: dict[str, str] = dataclasses.field(default_factory=dict)  # written into RUN_DIR
     launch: InstanceLaunch | None = None  # instances: devices, memory share, stages
@@ -51,25 +60,39 @@ class Step:
         return self.launch.devices if self.launch is not None else ()
 
 
+STORE_START_TIMEOUT_S = 60.0
+SERVES_THE_STORE = "the MM Store serves first"  # engines connect to it as they start
+
+
 def startup_plan(dep: ResolvedDeployment) -> list[Step]:
     """Every process of `dep`, in start order."""
     head = dep.config.cluster.head_node.name if dep.config.cluster is not None else "local"
     steps: list[Step] = []
-    stores: tuple[str, ...] = ()
+    stores: dict[str, str] = {}
     if dep.mm_store is not None:
         for index, proc in enumerate(store_processes(dep.mm_store)):
             # The first claims every store port: a later one's port must not be taken
             # by anything else while the first starts.
             steps.append(Step(name=proc.name, kind="store", command=tuple(proc.command), env={},
                               node=head, address=dep.proxy_host, health_url=proc.health_url,
-                              waits_on=stores, ports=dep.store_ports() if index == 0 else {}))
-            stores += (proc.name,)
-    for launch in dep.launches:
-        steps.append(Step(name=launch.name, kind="instance",
-                          command=tuple(dep.platform.command(launch)),
-                          env=dep.platform.environment(launch), node=launch.node,
-                          address=launch.host, health_url=f"{launch.url}/health",
-                          waits_on=stores, ports=launch.ports(), launch=launch))
+                              start_timeout_s=STORE_START_TIMEOUT_S, waits_on=dict(stores),
+                              ports=dep.store_ports() if index == 0 else {}))
+            stores[proc.name] = SERVES_THE_STORE
+    shared = device_waits(dep)
+    instances = [Step(name=launch.name, kind="instance",
+                      command=tuple(dep.platform.command(launch)),
+                      env=dep.platform.environment(launch), node=launch.node,
+                      address=launch.host, health_url=f"{launch.url}/health",
+                      start_timeout_s=dep.config.health_timeout_s,
+                      waits_on={**stores, **shared[launch.name]}, ports=launch.ports(),
+                      launch=launch)
+                 for launch in dep.launches]
+    # Round by round: an instance starts in the round after the last instance it waits
+    # for; within a round, in plan order (sorted() keeps it).
+    rounds: dict[str, int] = {}
+    for step in instances:
+        rounds[step.name] = 1 + max((rounds[name] for name in shared[step.name]), default=-1)
+    steps += sorted(instances, key=lambda step: rounds[step.name])
     steps.append(Step(
         name="proxy", kind="proxy",
         command=(sys.executable, "-m", "epd_serve.proxy", "--config",
@@ -77,23 +100,51 @@ def startup_plan(dep: ResolvedDeployment) -> list[Step]:
         env={}, node=head, address=dep.proxy_host,
         # Ready, not only up: every instance has answered the proxy's own probe (else
         # the first image may find no encoder the proxy knows is healthy).
-        health_url=f"{dep.proxy_url}/ready", waits_on=stores,
-        ports={dep.config.proxy_port: "proxy"},
+        health_url=f"{dep.proxy_url}/ready", start_timeout_s=dep.config.health_timeout_s,
+        waits_on=dict(stores), ports={dep.config.proxy_port: "proxy"},
         files={PROXY_CONFIG_FILE: proxy_config(dep).model_dump_json(indent=2)}))
     return steps
 
 
+def device_waits(dep: ResolvedDeployment) -> dict[str, dict[str, str]]:
+    """Instance name -> the earlier instances it must wait for because they share a
+    device, each with why ("they share cuda:0"): on each of its devices, the instance
+    placed there before it in plan order. No waits on a platform without devices (cpu:
+    a "device" is a logical slot on the host's cores and each engine is given its KV
+    cache size), so CPU deployments start every instance at once."""
+    waits: dict[str, dict[str, str]] = {launch.name: {} for launch in dep.launches}
+    if dep.platform.device_visibility_env is None:
+        return waits
+    last_on: dict[tuple[str, int], str] = {}  # (node, device) -> the latest instance there
+    for launch in dep.launches:
+        shared: dict[str, list[int]] = {}
+        for device in launch.devices:
+            if (earlier := last_on.get((launch.node, device))) is not None:
+                shared.setdefault(earlier, []).append(device)
+            last_on[launch.node, device] = launch.name
+        where = f" on {launch.node}" if launch.node != "local" else ""
+        for earlier, devices in shared.items():
+            names = ", ".join(f"{dep.platform.device_type}:{d}" for d in devices)
+            waits[launch.name][earlier] = f"they share {names}{where}"
+    return waits
+
+
 def carry_out(steps: list[Step], start: Callable[[Step], object],
-              wait_for: Callable[[str], object]) -> None:
-    """Start `steps` in order, each after waiting (once per name) for the earlier steps it
-    waits on to serve: how every launcher walks the plan."""
+              wait_for: Callable[[Step], object],
+              note: Callable[[str], object] = lambda message: None) -> None:
+    """Start `steps` in order, each after waiting for the earlier steps it waits on to
+    serve: how every launcher walks the plan. Each step is waited for once, and `note`
+    is told why first ("p0 waits for e0's health: they share cuda:0")."""
+    started: dict[str, Step] = {}
     serving: set[str] = set()
     for step in steps:
-        for name in step.waits_on:
+        for name, why in step.waits_on.items():
             if name not in serving:
-                wait_for(name)
+                note(f"{step.name} waits for {name}'s health: {why}")
+                wait_for(started[name])
                 serving.add(name)
         start(step)
+        started[step.name] = step
 
 
 def proxy_config(dep: ResolvedDeployment) -> ProxyConfig:

@@ -178,16 +178,19 @@ class RayLauncher:
 
     # -- bring up -----------------------------------------------------------
     def start(self) -> None:
-        """Start every step of the plan in order, each once the steps it waits on serve;
-        the devices are reserved (placement groups) before the first instance."""
+        """Start every step of the plan in order, each once the steps it waits on serve
+        (saying why through on_event); the devices are reserved (placement groups)
+        before the first instance."""
         prepare_work_dir(self.dep)
         self._connect()
         self.children = []
         self._log_thread = threading.Thread(target=self._forward_logs, name="logs", daemon=True)
         self._log_thread.start()
-        carry_out(startup_plan(self.dep), self._start_step,
-                  lambda name: wait_serving(self._child_named(name), self.poll_health))
+        carry_out(startup_plan(self.dep), self._start_step, self._wait_serving, self.on_event)
         self._write_state()
+
+    def _wait_serving(self, step: Step) -> None:
+        wait_serving(self._child_named(step.name), self.poll_health, step.start_timeout_s)
 
     def _start_step(self, step: Step) -> None:
         if step.launch is None:

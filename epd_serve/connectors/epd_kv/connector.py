@@ -56,8 +56,20 @@ class EPDKVConnector(KVConnectorBase_V1):
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        # The per-layer save hook must run between graph pieces.
-        return extra_config.get("mode", "group") != "whole"
+        # Prefill's per-layer save hook must run between graph pieces. Decode's hooks
+        # do nothing, so it keeps full decode graphs (the HAL writes the role into the
+        # extra config; without it, assume prefill), as does `whole` mode, which sends
+        # after the pass.
+        settings = Settings.from_extra_config(dict(extra_config))
+        return settings.role != "kv_consumer" and settings.mode != "whole"
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config) -> str | None:
+        # vLLM 0.32+ asks before it allocates the KV cache. Both engines of a transfer
+        # must store blocks alike; settings.py says why LBHNC is the default.
+        extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+        layout = Settings.from_extra_config(extra).kv_cache_layout
+        return None if layout == "auto" else layout
 
     # -- scheduler side --------------------------------------------------------------
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
@@ -99,7 +111,7 @@ class EPDKVConnector(KVConnectorBase_V1):
         pass
 
     def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
-        self.worker.layer_saved(layer_name, kv_layer)
+        self.worker.layer_saved(layer_name)
 
     def wait_for_save(self) -> None:
         # Writes continue in the background; blocks stay pinned until they end.

@@ -1,14 +1,21 @@
 """Where each layer's KV blocks live in memory, and which bytes a transfer moves.
 
-Runs in the worker process of an engine. `describe_layer` reads a KV cache tensor
+Runs in the worker process of an engine. `describe_layer` reads a layer's KV cache
 (CPU, CUDA or NPU alike: only `data_ptr`, strides and sizes are used, nothing is
 copied or synchronised); the rest is arithmetic on integers, unit-tested without torch.
 
-A layer's cache is one or more *regions*; block `b` of a region starts at
-`base + b * block_stride` and holds `block_len` contiguous bytes. vLLM's block-major
-layouts ([blocks, heads, tokens, dim] and its permutations with blocks outermost) are
-one region per layer; layouts that put the heads outside the blocks are one region per
-head.
+A layer's cache is one tensor whose first dimension is the block (vLLM 0.32 gives each
+layer a `[blocks, heads, tokens, k+v]` view into one buffer shared by every layer, in
+whatever physical order the resolved KV cache layout puts those dimensions), or a
+`(k_cache, v_cache)` pair of such tensors (vllm-ascend). Each tensor is one or more
+*regions*: block `b` of a region starts at `base + b * block_stride` and holds
+`block_len` contiguous bytes. A block that is dense in memory, in any order of its
+dimensions (LBHNC, LBNHC, BLHNC, ...), is one region; a layout that puts the heads
+outside the blocks (LHBNC) is one region per head.
+
+Raw bytes can only be copied between two engines that order a block's bytes the same
+way, so every tensor's *form* (a block's shape, the memory order of its dimensions, its
+element size) travels with the reservation and both sides refuse a mismatch by name.
 """
 
 from __future__ import annotations
@@ -24,18 +31,66 @@ class Region(msgspec.Struct, frozen=True, array_like=True):
     block_len: int
 
 
+class BlockForm(msgspec.Struct, frozen=True, array_like=True):
+    """How one tensor of a layer stores a block: the block's logical shape, its
+    dimensions from outermost to innermost in memory, and the element size."""
+
+    shape: tuple[int, ...]
+    order: tuple[int, ...]
+    itemsize: int
+
+    def __str__(self) -> str:
+        shape = "x".join(str(size) for size in self.shape)
+        return f"{shape} stored in dimension order {self.order}, {self.itemsize} B elements"
+
+
 class LayerLayout(msgspec.Struct, frozen=True, array_like=True):
     regions: tuple[Region, ...]
+    forms: tuple[BlockForm, ...] = ()  # one per tensor: (k and v) or (k+v)
 
     @property
     def block_bytes(self) -> int:
         return sum(r.block_len for r in self.regions)
 
 
+def memory_order(shape: Sequence[int], strides: Sequence[int]) -> tuple[int, ...]:
+    """The dimensions of a tensor from the largest stride to the smallest; dimensions of
+    size 1 take no memory and are left out (their strides mean nothing)."""
+    dims = [d for d, size in enumerate(shape) if size > 1]
+    return tuple(sorted(dims, key=lambda d: (-strides[d], d)))
+
+
+def is_dense(shape: Sequence[int], strides: Sequence[int]) -> bool:
+    """Whether the elements fill one contiguous run of memory, in some order of the
+    dimensions (each stride is the product of the sizes of the dimensions inside it)."""
+    expected = 1
+    for dim in reversed(memory_order(shape, strides)):
+        if strides[dim] != expected:
+            return False
+        expected *= shape[dim]
+    return True
+
+
+def layer_tensors(cache) -> tuple:
+    """The tensors of one layer's cache: itself, or the (k, v) pair."""
+    return tuple(cache) if isinstance(cache, (tuple, list)) else (cache,)
+
+
 def describe_layer(cache, num_blocks: int) -> LayerLayout:
-    """Regions of one layer's paged KV tensor whose first dimension is the (kernel)
-    block. `num_blocks` counts the scheduler's blocks; where the attention kernel uses
-    smaller blocks, one scheduler block is several consecutive kernel blocks."""
+    """Regions and forms of one layer's paged KV cache (a tensor or a (k, v) pair)
+    whose first dimension is the (kernel) block. `num_blocks` counts the scheduler's
+    blocks; where the attention kernel uses smaller blocks, one scheduler block is
+    several consecutive kernel blocks."""
+    regions: list[Region] = []
+    forms: list[BlockForm] = []
+    for tensor in layer_tensors(cache):
+        tensor_regions, form = _describe_tensor(tensor, num_blocks)
+        regions += tensor_regions
+        forms.append(form)
+    return LayerLayout(tuple(regions), tuple(forms))
+
+
+def _describe_tensor(cache, num_blocks: int) -> tuple[list[Region], BlockForm]:
     if cache.dim() < 2 or cache.shape[0] % num_blocks:
         raise ValueError(
             f"KV cache of shape {tuple(cache.shape)} is not block-major with {num_blocks} "
@@ -44,27 +99,33 @@ def describe_layer(cache, num_blocks: int) -> LayerLayout:
     per_block = cache.shape[0] // num_blocks
     element = cache.element_size()
     stride = cache.stride(0) * element
-    if cache[0].is_contiguous():
+    block_shape, block_strides = tuple(cache.shape[1:]), tuple(cache.stride()[1:])
+    form = BlockForm(block_shape, memory_order(block_shape, block_strides), element)
+    if is_dense(block_shape, block_strides):
         rows = [(cache.data_ptr(), cache[0].numel() * element)]
-    else:  # heads outside the token rows: each head's slice of a block is contiguous
-        if not all(cache[0, h].is_contiguous() for h in range(cache.shape[1])):
-            raise ValueError(f"KV cache layout with strides {cache.stride()} is not supported")
+    elif is_dense(block_shape[1:], block_strides[1:]):
+        # Heads outside the blocks: each head's slice of a block is one run.
         rows = [(cache[:, h].data_ptr(), cache[0, h].numel() * element)
                 for h in range(cache.shape[1])]
+    else:
+        raise ValueError(f"KV cache of shape {tuple(cache.shape)} with strides "
+                         f"{cache.stride()}: a block is neither dense in memory nor dense "
+                         "per head, so the epd KV connector cannot move it")
     if per_block > 1 and all(length == stride for _, length in rows):
         # Packed kernel blocks: a scheduler block is one run of them.
-        return LayerLayout(tuple(Region(base, stride * per_block, length * per_block)
-                                 for base, length in rows))
-    return LayerLayout(tuple(Region(base + k * stride, stride * per_block, length)
-                             for base, length in rows for k in range(per_block)))
+        return [Region(base, stride * per_block, length * per_block)
+                for base, length in rows], form
+    return [Region(base + k * stride, stride * per_block, length)
+            for base, length in rows for k in range(per_block)], form
 
 
 def storage_spans(caches: Iterable) -> list[tuple[int, int]]:
     """(address, bytes) of each distinct allocation behind the caches, to register."""
     spans: dict[int, int] = {}
     for cache in caches:
-        storage = cache.untyped_storage()
-        spans[storage.data_ptr()] = storage.nbytes()
+        for tensor in layer_tensors(cache):
+            storage = tensor.untyped_storage()
+            spans[storage.data_ptr()] = storage.nbytes()
     return sorted(spans.items())
 
 
@@ -107,11 +168,19 @@ def segments(src: Sequence[LayerLayout], dst: Sequence[LayerLayout], layers: Ite
     return srcs, dsts, lens
 
 
-def check_compatible(src: Sequence[LayerLayout], dst: Sequence[LayerLayout]) -> str | None:
-    """Why the two sides cannot exchange blocks, or None when they can."""
+def check_compatible(src: Sequence[LayerLayout], dst: Sequence[LayerLayout],
+                     src_name: str = "", dst_name: str = "") -> str | None:
+    """Why prefill (`src`) and decode (`dst`) cannot exchange blocks, or None when they
+    can. The names are the KV cache layouts the engines report (e.g. LBNHC), quoted in
+    the refusal."""
     if len(src) != len(dst):
         return f"prefill has {len(src)} KV layers, decode {len(dst)}"
     for index, (s, d) in enumerate(zip(src, dst)):
+        if s.forms != d.forms:
+            return (f"KV cache layouts differ (layer {index}): prefill {src_name or 'its'} "
+                    f"layout [{'; '.join(map(str, s.forms))}], decode {dst_name or 'its'} "
+                    f"layout [{'; '.join(map(str, d.forms))}]; the same bytes would mean "
+                    "other tokens and heads: run both with one KV cache layout")
         if [r.block_len for r in s.regions] != [r.block_len for r in d.regions]:
             return (f"layer {index}: block sizes differ (prefill "
                     f"{[r.block_len for r in s.regions]}, decode {[r.block_len for r in d.regions]})")

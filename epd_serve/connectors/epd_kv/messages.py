@@ -25,7 +25,8 @@ import msgspec
 
 from epd_serve.connectors.epd_kv.layout import LayerLayout
 
-PROTOCOL_VERSION = 1
+# 2: a layer's layout carries its tensors' block forms, the reservation the layout name.
+PROTOCOL_VERSION = 2
 
 
 # -- scheduler -> worker (same engine) ------------------------------------------
@@ -39,12 +40,26 @@ class SendChunk:
     start: int
     end: int
     prompt_len: int
+    first_block: int  # this chunk ships the request's blocks [first_block, end_block)
+    end_block: int
     mode: str | None = None  # per-request override of the transfer mode
     fault: str | None = None  # fault injection (only where the deployment allows it)
 
     @property
     def is_last(self) -> bool:
         return self.end >= self.prompt_len
+
+
+def blocks_to_ship(end: int, prompt_len: int, block_size: int, shipped: int) -> tuple[int, int]:
+    """The blocks [first, end) a prefill chunk ending at token `end` ships, when the
+    request's blocks before `shipped` have gone with earlier chunks. A block goes once,
+    with the chunk that fills it (or the last chunk, for the prompt's partial tail):
+    sending a half-written block with one chunk and again with the next would make two
+    writes of the same bytes, which can land out of order and leave stale tokens. The
+    first chunk also ships the blocks prefill had cached, which it computes nothing
+    for: decode may not have them."""
+    filled = -(-end // block_size) if end >= prompt_len else end // block_size
+    return shipped, max(shipped, filled)
 
 
 @dataclasses.dataclass
@@ -94,6 +109,7 @@ class Reserve(msgspec.Struct, tag="reserve", frozen=True):
     num_tokens: int
     block_size: int
     layout: list[LayerLayout]
+    layout_name: str = ""  # the KV cache layout decode's engine reports (e.g. LBHNC)
     version: int = PROTOCOL_VERSION
 
 

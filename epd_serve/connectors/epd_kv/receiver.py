@@ -57,8 +57,10 @@ class Peer:
 
 class Receiver:
     def __init__(self, layouts: list[LayerLayout], block_size: int, engine_id: str, rank: int,
-                 te_session: str, settings: Settings, stats: "EPDKVStats"):
+                 te_session: str, settings: Settings, stats: "EPDKVStats",
+                 layout_name: str = ""):
         self.layouts = layouts
+        self.layout_name = layout_name
         self.block_size = block_size
         self.engine_id = engine_id
         self.rank = rank
@@ -97,7 +99,7 @@ class Receiver:
             transfer_id=plan.transfer_id, decode_engine=self.engine_id,
             decode_rank=self.rank, te_session=self.te_session, block_ids=plan.block_ids,
             first_block=plan.first_block, num_tokens=plan.num_tokens,
-            block_size=self.block_size, layout=self.layouts)))
+            block_size=self.block_size, layout=self.layouts, layout_name=self.layout_name)))
 
     def abort(self, request_ids: set[str]) -> None:
         """The engine finished these requests (aborted by the client, say) while their

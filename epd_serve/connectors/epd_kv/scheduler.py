@@ -37,6 +37,7 @@ class EPDKVScheduler:
         self.is_producer = role == "kv_producer"
         self.kv_cache_manager = None  # bound by vLLM after construction
         self._sending: dict[str, Any] = {}  # request id -> Request being prefilled
+        self._shipped: dict[str, int] = {}  # request id -> blocks sent by earlier chunks
         self._finished_sends: list[msg.FinishedSend] = []
         self._unreleased: set[str] = set()  # finished, blocks pinned until the workers say
         self._recvs: list[msg.RecvPlan] = []
@@ -92,14 +93,20 @@ class EPDKVScheduler:
             start = request.num_computed_tokens  # vLLM advances it after this call
             if start >= request.num_prompt_tokens:
                 continue  # a decode step: its KV is not handed off
+            end = min(start + count, request.num_prompt_tokens)
+            first_block, end_block = msg.blocks_to_ship(
+                end, request.num_prompt_tokens, self.block_size, self._shipped.get(request_id, 0))
+            self._shipped[request_id] = end_block
             plan.sends.append(msg.SendChunk(
                 request_id=request_id, transfer_id=params["transfer_id"],
                 block_ids=list(self.kv_cache_manager.get_block_ids(request_id)[0]),
-                start=start, end=min(start + count, request.num_prompt_tokens),
-                prompt_len=request.num_prompt_tokens, mode=params.get(MODE_KEY),
+                start=start, end=end, prompt_len=request.num_prompt_tokens,
+                first_block=first_block, end_block=end_block, mode=params.get(MODE_KEY),
                 fault=params.get(FAULT_KEY)))
         preempted = scheduler_output.preempted_req_ids or set()
         plan.preempted = [r for r in preempted if r in self._sending]
+        for request_id in plan.preempted:
+            self._shipped.pop(request_id, None)  # prefilled (and shipped) again from 0
         return plan
 
     def update_connector_output(self, connector_output) -> None:
@@ -119,6 +126,7 @@ class EPDKVScheduler:
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         params = request.kv_transfer_params or {}
         if self.is_producer:
+            self._shipped.pop(request.request_id, None)
             if self._sending.pop(request.request_id, None) is None:
                 return False, None
             aborted = request.status.name not in ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")

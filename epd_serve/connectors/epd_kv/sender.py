@@ -6,8 +6,9 @@ Runs in a prefill engine's worker process, on four threads:
   (after each attention layer wrote its KV) and `forward_done` (after the pass); it
   only queues jobs and never waits on the network (no thread holds the lock it takes
   while talking to the transfer engine);
-- the submit thread waits until a job's layers are written on the device (an event on
-  CUDA/NPU; CPU kernels are done when they return), then starts an asynchronous write
+- the submit thread waits until a job's layers are written on the device (a blocking
+  event recorded on the forward's stream, events.py; CPU kernels are done when they
+  return), learns the per-layer compute time from those events, then starts a write
   per job, or parks the job until decode's reservation has arrived; a job that cannot
   be written fails its transfer (decode recomputes), never settles it as done;
 - the completion thread polls the writes in flight (sleeping between looks, never
@@ -26,10 +27,11 @@ import queue
 import threading
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from epd_serve.connectors.epd_kv import messages as msg
 from epd_serve.connectors.epd_kv.channel import Channel
+from epd_serve.connectors.epd_kv.events import Event, Marker, elapsed_s
 from epd_serve.connectors.epd_kv.grouping import (
     ComputeModel,
     LinkEstimator,
@@ -58,6 +60,15 @@ _UNREGISTERED_ADDRESS = 4096
 
 
 @dataclasses.dataclass
+class StepStart:
+    """The device event at the end of a step's first layer, shared by its jobs."""
+
+    event: Event
+    num_tokens: int
+    timed: bool = False  # the step's per-layer compute time was learned from it
+
+
+@dataclasses.dataclass
 class Job:
     """Layers [first, last] of one prefill chunk of one request."""
 
@@ -66,7 +77,9 @@ class Job:
     last_layer: int
     first_block: int  # index of the chunk's first block within the request
     block_ids: list[int]  # this engine's ids of those blocks
-    ready: Any = None  # device event recorded after the last layer's KV write
+    ready: Event | None = None  # device event recorded after the last layer's KV write
+    step: StepStart | None = None  # on a device: when the step's first layer ended
+    ends_forward: bool = False  # the request's last layer of its last chunk
 
 
 @dataclasses.dataclass
@@ -121,22 +134,13 @@ def busy_time(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def ready_event(tensor):
-    """An event that completes when the kernels queued so far on `tensor`'s device
-    have run; None on the CPU, where they already have."""
-    if tensor.device.type == "cpu":
-        return None
-    import torch
-
-    event = torch.Event(device=tensor.device)
-    event.record()
-    return event
-
-
 class Sender:
     def __init__(self, link: Link, layouts: list[LayerLayout], block_size: int, engine_id: str,
-                 rank: int, settings: Settings, link_model: LinkModel, stats: "EPDKVStats"):
+                 rank: int, settings: Settings, link_model: LinkModel, stats: "EPDKVStats",
+                 mark: Marker | None = None, layout_name: str = ""):
         self.link = link
+        self.mark = mark  # device events (events.marker); None on the CPU
+        self.layout_name = layout_name
         self.layouts = layouts
         self.num_layers = len(layouts)
         self.block_size = block_size
@@ -161,6 +165,7 @@ class Sender:
         self._step_tokens = 0
         self._groups: dict[str, list[tuple[int, int]]] = {}
         self._last_layer_at: float | None = None
+        self._step_start: StepStart | None = None
         self._logged_plan: tuple[int, ...] = ()
 
     def start(self, port: int) -> None:
@@ -180,6 +185,7 @@ class Sender:
         self._step_tokens = plan.num_tokens
         self._groups = {}
         self._last_layer_at = None
+        self._step_start = None
         with self._lock:
             for chunk in self._chunks:
                 out = self._transfer(chunk.transfer_id)
@@ -191,18 +197,15 @@ class Sender:
         for request_id in plan.preempted:
             self._release_preempted(request_id)
 
-    def layer_saved(self, layer: int, kv_layer) -> None:
+    def layer_saved(self, layer: int) -> None:
+        """The forward pass has queued (on a device) or written (on the CPU) the KV of
+        `layer`."""
         if not self._chunks:
             return
         now = time.perf_counter()
         if self._last_layer_at is None:
-            self._plan_step()
-            with self._lock:
-                for chunk in self._chunks:
-                    out = self._transfers[chunk.transfer_id]
-                    if out.first_layer_at is None:
-                        out.first_layer_at = now
-        else:
+            self._start_step(now)
+        elif self.mark is None:  # CPU: the gap between hooks is the layer's compute
             self.compute.observe(now - self._last_layer_at, self._step_tokens)
         self._last_layer_at = now
         event = None
@@ -211,23 +214,48 @@ class Sender:
                 continue  # sent after the forward pass, as vLLM does
             for first, last in groups:
                 if last == layer:
-                    event = event or ready_event(kv_layer)
+                    event = event or self._mark()
                     self._queue(mode, first, last, event)
 
     def forward_done(self) -> None:
         if not self._chunks:
             return
+        if self._last_layer_at is None:
+            # No layer hook ran (a full CUDA graph replay has none): every mode's
+            # layers go after the pass, rather than none of them at all.
+            self._start_step(time.perf_counter())
+            after_pass = set(self._groups)
+        else:
+            after_pass = {"whole"} & set(self._groups)
         now, wall = time.perf_counter(), time.time()
-        if "whole" in self._groups:
-            self._queue("whole", 0, self.num_layers - 1, None)
+        # Recorded after the whole forward pass was queued: the writes wait for it.
+        event = self._mark() if after_pass else None
+        for mode in after_pass:
+            self._queue(mode, 0, self.num_layers - 1, event)
         with self._lock:
             for chunk in self._chunks:
                 out = self._transfers[chunk.transfer_id]
                 if chunk.is_last:
+                    # On a device only the pass's queueing ended: the submit thread moves
+                    # this to when the last layer's event completes (`_timed`).
                     out.forward_end, out.forward_end_wall = now, wall
                     out.all_queued = True
                     self._settle(out)
         self._chunks = []
+
+    def _start_step(self, now: float) -> None:
+        self._plan_step()
+        if self.mark is not None:
+            self._step_start = StepStart(self.mark(), self._step_tokens)
+            return
+        with self._lock:
+            for chunk in self._chunks:
+                out = self._transfers[chunk.transfer_id]
+                if out.first_layer_at is None:
+                    out.first_layer_at = now
+
+    def _mark(self) -> Event | None:
+        return self.mark() if self.mark is not None else None
 
     def _plan_step(self) -> None:
         modes = {self._transfers[c.transfer_id].mode for c in self._chunks}
@@ -239,9 +267,9 @@ class Sender:
                 self._groups[mode] = plan_groups(self.num_layers, mode, size)
 
     def _fitted_plan(self, mode: str) -> list[tuple[int, int]]:
-        tokens = sum(c.end - c.start for c in self._chunks
-                     if self._transfers[c.transfer_id].mode == mode)
-        layer_bytes = -(-tokens // self.block_size) * self.layouts[0].block_bytes
+        chunks = [c for c in self._chunks if self._transfers[c.transfer_id].mode == mode]
+        tokens = sum(c.end - c.start for c in chunks)
+        layer_bytes = sum(c.end_block - c.first_block for c in chunks) * self.layouts[0].block_bytes
         link = self.link_cost.model
         compute = self.compute.layer_s(self._step_tokens)
         groups = fitted_groups(self.num_layers, layer_bytes, link, compute)
@@ -255,17 +283,19 @@ class Sender:
             self._logged_plan = sizes
         return groups
 
-    def _queue(self, mode: str, first: int, last: int, event) -> None:
+    def _queue(self, mode: str, first: int, last: int, event: Event | None) -> None:
         for chunk in self._chunks:
+            if chunk.first_block >= chunk.end_block:
+                continue  # every block this chunk wrote into is filled by a later one
             with self._lock:
                 out = self._transfers[chunk.transfer_id]
                 if out.mode != mode:
                     continue
                 out.queued += 1
-            first_block = chunk.start // self.block_size
-            end_block = -(-chunk.end // self.block_size)
-            self._jobs.put(Job(chunk.transfer_id, first, last, first_block,
-                               chunk.block_ids[first_block:end_block], event))
+            self._jobs.put(Job(chunk.transfer_id, first, last, chunk.first_block,
+                               chunk.block_ids[chunk.first_block:chunk.end_block], event,
+                               self._step_start,
+                               chunk.is_last and last == self.num_layers - 1))
 
     def _release_preempted(self, request_id: str) -> None:
         """A preempted request's blocks are about to be reused: the engine step must not
@@ -288,12 +318,33 @@ class Sender:
         while (job := self._jobs.get()) is not None:
             try:
                 if job.ready is not None:
-                    job.ready.synchronize()
+                    job.ready.synchronize()  # blocking: sleeps until the kernels ran
+                    self._timed(job)
             except Exception as err:  # the device failed the kernels that wrote the KV
                 self._job_failed(job, f"waiting for layers {job.first_layer}-"
                                       f"{job.last_layer} on the device failed: {err}")
                 continue
             self._submit(job)
+
+    def _timed(self, job: Job) -> None:
+        """What a device event that just completed tells: the per-layer compute time
+        (from the step's first layer to the last one), and when a request's forward
+        pass really ended (this thread was waiting on it, so now is that moment)."""
+        if job.step is None or job.last_layer != self.num_layers - 1:
+            return
+        now, wall = time.perf_counter(), time.time()
+        seconds = elapsed_s(job.step.event, job.ready)
+        if not job.step.timed and self.num_layers > 1:
+            job.step.timed = True
+            self.compute.observe(seconds / (self.num_layers - 1), job.step.num_tokens)
+        with self._lock:
+            out = self._transfers.get(job.transfer_id)
+            if out is None:
+                return
+            if out.first_layer_at is None:
+                out.first_layer_at = now - seconds
+            if job.ends_forward:
+                out.forward_end, out.forward_end_wall = now, wall
 
     def _job_failed(self, job: Job, reason: str) -> None:
         """A queued job that will never be written: its transfer fails (decode
@@ -448,7 +499,8 @@ class Sender:
         elif res.block_size != self.block_size:
             error = f"block size {res.block_size}, prefill uses {self.block_size}"
         else:
-            error = check_compatible(self.layouts, res.layout)
+            error = check_compatible(self.layouts, res.layout, self.layout_name,
+                                     res.layout_name)
         backlog: list[Job] = []
         with self._lock:
             ended = None if res.transfer_id in self._transfers else \

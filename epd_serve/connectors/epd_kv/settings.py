@@ -11,12 +11,25 @@ from typing import Any
 
 from epd_serve.connectors.epd_kv.grouping import MODES
 
+# vLLM 0.32's layout names (vllm/v1/kv_cache_layout.py); describe_layer reads them all.
+KV_CACHE_LAYOUTS = ("auto", "LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
+ROLES = ("", "kv_producer", "kv_consumer")
+
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
     host: str = "127.0.0.1"  # address the side channel and the transfer engine use
     protocol: str = "tcp"  # transfer engine transport: tcp | rdma | ascend
-    device_name: str = ""  # RDMA device(s) for the transfer engine ("" = auto)
+    device_name: str = ""  # RDMA device(s) for the transfer engine ("" = every HCA found)
+    gid_index: int | None = None  # RoCE GID index of those devices (MC_GID_INDEX)
+    role: str = ""  # kv_producer | kv_consumer, copied here by the HAL: vLLM asks some
+    # classmethods (requires_piecewise_for_cudagraph) with the extra config alone
+    # The KV cache layout asked of vLLM 0.32+ ("auto": the attention backend's choice).
+    # LBHNC is the one every backend that declares layouts accepts (the CPU's only one,
+    # FlashInfer's on SM100; FlashAttention and FlashInfer elsewhere take any), so a
+    # prefill and a decode on different backends still store blocks alike; and its
+    # blocks are dense, one write segment per run of blocks.
+    kv_cache_layout: str = "LBHNC"
     mode: str = "group"  # whole | layer | group
     group_size: int | str = "auto"  # layers per group, or chosen from calibration
     ack_timeout_s: float = 5.0  # decode: the prefill worker must acknowledge a reservation
@@ -39,6 +52,14 @@ class Settings:
         if settings.mode not in MODES:
             raise ValueError(f"unknown KV transfer mode {settings.mode!r}; "
                              f"choose one of {', '.join(MODES)}")
+        if settings.kv_cache_layout not in KV_CACHE_LAYOUTS:
+            raise ValueError(f"kv_cache_layout must be one of {', '.join(KV_CACHE_LAYOUTS)}, "
+                             f"not {settings.kv_cache_layout!r}")
+        if settings.gid_index is not None and not 0 <= settings.gid_index <= 255:
+            raise ValueError(f"gid_index must be 0-255 (see `show_gids`), "
+                             f"not {settings.gid_index!r}")
+        if settings.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, not {settings.role!r}")
         if settings.group_size != "auto" and (not isinstance(settings.group_size, int)
                                                or settings.group_size < 1):
             raise ValueError(f"group_size must be 'auto' or a positive integer, "

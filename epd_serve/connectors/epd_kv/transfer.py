@@ -2,7 +2,10 @@
 
 Runs in engine worker processes. `mooncake.engine` is imported when a `Link` is made,
 not at import time. The engine listens on every interface whatever it is asked (run
-tests in a loopback-only namespace); its session id is `host:rpc_port`.
+tests in a loopback-only namespace); its session id is `host:rpc_port`. Which transport
+it installs is not the `protocol` it is given but what its environment and the host's
+RDMA devices decide (fabric.py): a `Link` sets the environment, says which transport
+that makes (`transport`), and refuses to fall back to TCP when RDMA was asked for.
 
 Every segment is its own transfer, polled without blocking: the engine's batch status
 call busy-waits on a core until the batch is done (and gives up only after its 30 s
@@ -13,9 +16,11 @@ Separate segments also travel in parallel.
 from __future__ import annotations
 
 import dataclasses
+import os
 import statistics
 import time
 
+from epd_serve.connectors.epd_kv import fabric
 from epd_serve.connectors.epd_kv.grouping import LinkModel
 
 POLL_S = 0.0002  # between looks at pending writes while waiting for one
@@ -40,19 +45,42 @@ class Write:
 class Link:
     """One transfer engine: registered memory and writes to peers' memory."""
 
-    def __init__(self, host: str, protocol: str = "tcp", device_name: str = ""):
+    def __init__(self, host: str, protocol: str = "tcp", device_name: str = "",
+                 gid_index: int | None = None):
         from mooncake.engine import TransferEngine
 
+        # Read as the engine starts; MC_GID_INDEX only by a process's first engine
+        # (Mooncake loads its global config once).
+        os.environ.update(fabric.engine_environment(protocol, gid_index))
+        devices = ",".join(fabric.device_list(device_name))
+        # Forced TCP, the engine looks at no device: neither do we.
+        hcas = [] if fabric.FORCE_TCP in os.environ else fabric.read_hcas()
+        usable, left_out = fabric.screen_hcas(hcas, devices, os.environ)
+        # The binding cannot tell which transport the engine installed: derived from
+        # what decides it, before the engine starts.
+        self.transport = fabric.installed_transport(protocol, os.environ, usable)
+        if protocol == fabric.RDMA and self.transport == fabric.TCP:
+            why = fabric.why_not_rdma(os.environ, hcas, devices, left_out)
+            raise TransferError(f"protocol rdma, but the transfer engine would fall back "
+                                f"to TCP: {why}")
+        self.devices = usable if self.transport == fabric.RDMA else []  # HCAs it uses
         self.engine = TransferEngine()
-        if self.engine.initialize(host, "P2PHANDSHAKE", protocol, device_name) != 0:
-            raise TransferError(f"transfer engine failed to start ({protocol} on {host})")
+        if self.engine.initialize(host, "P2PHANDSHAKE", protocol, devices) != 0:
+            raise TransferError(f"transfer engine failed to start ({self.transport} on {host})")
         self.host = host
         self.protocol = protocol
         self.session_id = f"{host}:{self.engine.get_rpc_port()}"
 
-    def register(self, spans: list[tuple[int, int]]) -> None:
+    def register(self, spans: list[tuple[int, int]], device_type: str = "cpu") -> None:
+        """Register memory the engine may read or write: `spans` of (address, bytes) on
+        `device_type` ("cpu" or "cuda")."""
         if not spans:
             return
+        if device_type == "cuda" and self.transport == fabric.RDMA:
+            # Without GPUDirect the engine's registration fails with no useful message.
+            problem = fabric.gpudirect_problem(os.environ, *fabric.read_gpudirect_facts())
+            if problem:
+                raise TransferError(problem)
         addrs, sizes = zip(*spans)
         if self.engine.batch_register_memory(list(addrs), list(sizes)) != 0:
             raise TransferError(f"registering {len(spans)} KV cache allocation(s) failed")

@@ -12,7 +12,8 @@ import logging
 
 import numpy as np
 
-from epd_serve.connectors.epd_kv.layout import describe_layer, storage_spans
+from epd_serve.connectors.epd_kv.events import marker
+from epd_serve.connectors.epd_kv.layout import describe_layer, layer_tensors, storage_spans
 from epd_serve.connectors.epd_kv.metadata import StepPlan, TransferReport
 from epd_serve.connectors.epd_kv.receiver import Receiver
 from epd_serve.connectors.epd_kv.sender import Sender
@@ -35,6 +36,9 @@ class EPDKVWorker:
         self.is_producer = transfer.kv_role == "kv_producer"
         self.port = transfer.kv_port
         self.block_size = vllm_config.cache_config.block_size
+        # The physical KV layout vLLM resolved (0.32+: LBHNC, LBNHC, ...; older engines
+        # have none): named when two engines' layouts differ.
+        self.layout_name = getattr(vllm_config.cache_config, "kv_cache_layout", None) or ""
         self.num_blocks = kv_cache_config.num_blocks
         self.rank = get_tensor_model_parallel_rank()
         self.stats = EPDKVStats()
@@ -49,27 +53,32 @@ class EPDKVWorker:
         names = sorted(kv_caches, key=extract_layer_index)
         self.layer_index = {name: i for i, name in enumerate(names)}
         layouts = [describe_layer(kv_caches[name], self.num_blocks) for name in names]
-        link = Link(self.settings.host, self.settings.protocol, self.settings.device_name)
-        link.register(storage_spans(kv_caches.values()))
+        device = layer_tensors(kv_caches[names[0]])[0].device
+        link = Link(self.settings.host, self.settings.protocol, self.settings.device_name,
+                    self.settings.gid_index)
+        link.register(storage_spans(kv_caches.values()), device.type)
+        layout = f"{self.layout_name or 'KV'} layout, block " + "; ".join(map(str, layouts[0].forms))
         if self.is_producer:
             scratch = np.zeros(CALIBRATION_BYTES, dtype=np.uint8)
             link.register([(scratch.ctypes.data, scratch.nbytes)])
             model = link.calibrate(scratch.ctypes.data, scratch.nbytes)
             self._scratch = scratch  # registered memory must outlive the engine
-            logger.info("epd-kv prefill rank %d: %d KV layers, %d B per block and layer, "
+            logger.info("epd-kv prefill rank %d: %d KV layers (%s), %d B per block and layer, "
                         "side channel %s:%d, transfer engine %s over %s, link calibrated at "
                         "%.3f ms per write + %.2f GB/s, mode %s", self.rank, len(layouts),
-                        layouts[0].block_bytes, self.settings.host, self.port + self.rank,
-                        link.session_id, link.protocol, model.overhead_s * 1e3,
-                        model.bytes_per_s / 1e9, self.settings.mode)
+                        layout, layouts[0].block_bytes, self.settings.host,
+                        self.port + self.rank, link.session_id, link.transport,
+                        model.overhead_s * 1e3, model.bytes_per_s / 1e9, self.settings.mode)
             self.sender = Sender(link, layouts, self.block_size, self.engine_id, self.rank,
-                                 self.settings, model, self.stats)
+                                 self.settings, model, self.stats, marker(device),
+                                 self.layout_name)
             self.sender.start(self.port + self.rank)
         else:
-            logger.info("epd-kv decode rank %d: %d KV layers, transfer engine %s over %s",
-                        self.rank, len(layouts), link.session_id, link.protocol)
+            logger.info("epd-kv decode rank %d: %d KV layers (%s), transfer engine %s over %s",
+                        self.rank, len(layouts), layout, link.session_id, link.transport)
             self.receiver = Receiver(layouts, self.block_size, self.engine_id, self.rank,
-                                     link.session_id, self.settings, self.stats)
+                                     link.session_id, self.settings, self.stats,
+                                     self.layout_name)
             self.receiver.start()
         self.link = link
 
@@ -81,9 +90,9 @@ class EPDKVWorker:
             for recv in plan.recvs:
                 self.receiver.reserve(recv)
 
-    def layer_saved(self, layer_name: str, kv_layer) -> None:
+    def layer_saved(self, layer_name: str) -> None:
         if self.sender is not None:
-            self.sender.layer_saved(self.layer_index[layer_name], kv_layer)
+            self.sender.layer_saved(self.layer_index[layer_name])
 
     def forward_done(self) -> None:
         if self.sender is not None:

@@ -12,10 +12,11 @@ import pytest
 import torch
 import zmq
 
+from epd_serve.connectors.epd_ec import codec
+from epd_serve.connectors.epd_ec.codec import HostStaging, to_bytes, to_tensor
 from epd_serve.connectors.epd_ec.prefetch import Prefetcher
 from epd_serve.connectors.epd_ec.scheduler import EPDECScheduler
 from epd_serve.connectors.epd_ec.settings import Settings
-from epd_serve.connectors.epd_ec.codec import to_bytes, to_tensor
 from epd_serve.mmstore import FeatureMeta, open_store
 
 from ...ports import free_port_block
@@ -154,7 +155,149 @@ def test_tensors_round_trip_through_bytes_in_their_dtype():
     tensor = torch.randn(5, 7, dtype=torch.bfloat16)
     data, meta = to_bytes(tensor)
     assert meta == FeatureMeta((5, 7), "bfloat16") and data.nbytes == 70
-    assert torch.equal(to_tensor(data.copy(), meta, "cpu"), tensor)
+    data = data.copy()
+    loaded = to_tensor(data, meta, "cpu", HostStaging(allocate=unusable))
+    assert torch.equal(loaded, tensor)
+    assert loaded.data_ptr() == data.ctypes.data  # on the CPU: no copy, no staging
+
+
+# The staging's device side, faked: this machine has no accelerator. Its buffers are
+# plain host memory and its events stand for copies that have not finished until
+# waited for. "cpu:0" is not the worker's "cpu", so loads take the device path (the
+# copy lands in host memory here, a tensor of its own all the same).
+DEVICE = "cpu:0"
+
+
+def unusable(nbytes: int) -> torch.Tensor:
+    raise AssertionError("no staging buffer is needed on the CPU")
+
+
+class Staging:
+    """A HostStaging with fake pinned buffers and events, and what it did with them."""
+
+    def __init__(self, slots: int = 1):
+        self.buffers: list[torch.Tensor] = []
+        self.events: list[CopyInFlight] = []
+        self.staging = HostStaging(slots, allocate=self.allocate, new_event=self.new_event)
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        self.buffers.append(torch.empty(nbytes, dtype=torch.uint8))
+        return self.buffers[-1]
+
+    def new_event(self, device: torch.device) -> CopyInFlight:
+        self.events.append(CopyInFlight(self.buffers))
+        return self.events[-1]
+
+
+class CopyInFlight:
+    """A device event after a copy out of a staging buffer: not complete until waited
+    for. It notes what the buffers held when waited for (still the copy's source?)."""
+
+    def __init__(self, buffers: list[torch.Tensor]):
+        self.buffers = buffers
+        self.recorded = False
+        self.held_when_waited: list[bytes] | None = None
+
+    def record(self) -> None:
+        self.recorded = True
+
+    def synchronize(self) -> None:
+        assert self.recorded
+        self.held_when_waited = [b.numpy().tobytes() for b in self.buffers]
+
+
+def feature_bytes(seed: int, rows: int = 3) -> tuple[torch.Tensor, np.ndarray, FeatureMeta]:
+    tensor = torch.full((rows, 4), float(seed), dtype=torch.bfloat16)
+    data, meta = to_bytes(tensor)
+    return tensor, data.copy(), meta
+
+
+def test_a_feature_loads_through_a_staging_buffer_in_its_shape_and_dtype(monkeypatch):
+    copies: list[dict] = []
+    to = torch.Tensor.to
+
+    def recording_to(self, *args, **kwargs):
+        copies.append(kwargs)
+        return to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", recording_to)
+    fake = Staging()
+    tensor, data, meta = feature_bytes(1)
+    loaded = to_tensor(data, meta, DEVICE, fake.staging)
+    # The model's thread does not wait for the copy (the stream orders it).
+    assert copies == [{"non_blocking": True, "copy": True}]
+    assert loaded.dtype == torch.bfloat16 and loaded.shape == (3, 4)
+    assert torch.equal(loaded, tensor)
+    assert len(fake.buffers) == 1 and fake.events[0].recorded  # staged, copy recorded
+    # The result is a copy: neither the store's bytes nor the buffer are kept.
+    data[:] = 0
+    fake.buffers[0].zero_()
+    assert torch.equal(loaded, tensor)
+
+
+def test_a_buffer_a_copy_may_still_read_is_not_written_until_the_copy_is_done():
+    fake = Staging(slots=1)
+    first, first_data, meta = feature_bytes(1)
+    second, second_data, _ = feature_bytes(2)
+    to_tensor(first_data, meta, DEVICE, fake.staging)
+    assert fake.events[0].held_when_waited is None  # nothing waits on a load's copy
+    loaded = to_tensor(second_data, meta, DEVICE, fake.staging)
+    # The second load waited for the first copy while the buffer still held its bytes.
+    assert fake.events[0].held_when_waited == [first_data.tobytes()]
+    assert torch.equal(loaded, second)
+
+
+def test_loads_in_a_row_take_turns_over_the_buffers_and_wait_only_when_back_to_one():
+    fake = Staging(slots=3)
+    features = [feature_bytes(seed) for seed in range(4)]
+    for tensor, data, meta in features[:3]:  # one step's three features
+        assert torch.equal(to_tensor(data, meta, DEVICE, fake.staging), tensor)
+    assert len(fake.buffers) == 3
+    assert all(event.held_when_waited is None for event in fake.events)
+    tensor, data, meta = features[3]  # next step: back to the first buffer
+    assert torch.equal(to_tensor(data, meta, DEVICE, fake.staging), tensor)
+    assert fake.events[0].held_when_waited[0] == features[0][1].tobytes()
+    assert [e.held_when_waited is None for e in fake.events[1:]] == [True, True, True]
+    assert len(fake.buffers) == 3  # reused, not allocated again
+
+
+def test_a_larger_feature_gets_a_larger_buffer_once_the_old_one_is_free():
+    fake = Staging(slots=1)
+    _, small_data, small_meta = feature_bytes(1, rows=2)
+    big, big_data, big_meta = feature_bytes(2, rows=20)
+    to_tensor(small_data, small_meta, DEVICE, fake.staging)
+    assert torch.equal(to_tensor(big_data, big_meta, DEVICE, fake.staging), big)
+    assert fake.events[0].held_when_waited == [small_data.tobytes()]
+    assert [b.numel() for b in fake.buffers] == [small_data.nbytes, big_data.nbytes]
+
+
+def test_a_device_to_host_copy_waits_for_a_copy_still_reading_the_buffer():
+    fake = Staging(slots=1)
+    _, loaded_data, meta = feature_bytes(1)
+    to_tensor(loaded_data, meta, DEVICE, fake.staging)
+    encoded = torch.arange(24, dtype=torch.uint8)
+    host = fake.staging.download(encoded)
+    assert fake.events[0].held_when_waited == [loaded_data.tobytes()]
+    assert host.tobytes() == encoded.numpy().tobytes()
+
+
+def test_staging_buffers_are_pinned_and_waited_for_without_spinning(monkeypatch):
+    asked: list[dict] = []
+    empty = torch.empty
+
+    def recording_empty(*args, **kwargs):
+        asked.append(dict(kwargs))
+        kwargs.pop("pin_memory", None)  # no accelerator here to pin memory for
+        return empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", recording_empty)
+    assert codec.pinned_bytes(64).numel() == 64
+    assert asked == [{"dtype": torch.uint8, "pin_memory": True}]
+
+    made: list[dict] = []
+    monkeypatch.setattr(torch.cuda, "Event", lambda **kwargs: made.append(kwargs))
+    codec.copy_done_event(torch.device("cuda", 0))
+    assert made == [{"blocking": True}]  # cudaEventBlockingSync: the thread sleeps
 
 
 def test_the_prefetcher_pulls_hinted_features_and_hands_each_over_once(spec):

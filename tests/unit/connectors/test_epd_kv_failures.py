@@ -9,11 +9,9 @@ import types
 
 import pytest
 
-from epd_serve.connectors.epd_kv.messages import SendChunk
 from epd_serve.connectors.epd_kv.transfer import Link, TransferError, Write
 
 from .test_epd_kv_transfer import (  # noqa: F401  (make_pair is a fixture)
-    CPU_TENSOR,
     LAYERS,
     Receiver,
     acknowledged,
@@ -22,6 +20,7 @@ from .test_epd_kv_transfer import (  # noqa: F401  (make_pair is a fixture)
     prefill,
     recv_plan,
     results,
+    send_chunk,
     wait_for,
 )
 
@@ -68,11 +67,11 @@ def test_the_models_thread_never_waits_for_a_submit_on_the_network(make_pair):
     prefill(pair, mode="whole")
     assert entered.wait(BLOCKED_S)
     # The next step's hooks, while that submit is still inside the transfer engine.
-    chunk = SendChunk("p-req-2", "t2", [6, 7, 8], 0, 12, 12, "layer", None)
+    chunk = send_chunk("t2", [6, 7, 8], mode="layer", request="p-req-2")
     step = in_thread(lambda: (
         pair.sender.begin_step(types.SimpleNamespace(sends=[chunk], finished_sends=[],
                                                      preempted=[], num_tokens=12)),
-        [pair.sender.layer_saved(layer, CPU_TENSOR) for layer in range(LAYERS)],
+        [pair.sender.layer_saved(layer) for layer in range(LAYERS)],
         pair.sender.forward_done()))
     step.join(BLOCKED_S)
     stalled = step.is_alive()

@@ -151,6 +151,12 @@ def test_settings_refuse_unknown_keys_and_bad_values():
         Settings.from_extra_config({"grup_size": 4})
     with pytest.raises(ValueError, match="group_size must be 'auto' or a positive integer"):
         Settings.from_extra_config({"group_size": 0})
+    # RoCE GIDs are a table of 256 entries: a wrong one fails at load, not in the engine.
+    assert Settings.from_extra_config({"gid_index": 3}).gid_index == 3
+    with pytest.raises(ValueError, match="gid_index must be 0-255"):
+        Settings.from_extra_config({"gid_index": 300})
+    with pytest.raises(ValueError, match="role must be one of"):
+        Settings.from_extra_config({"role": "producer"})
     # Timeouts are sized to the expected transfer time, with a floor.
     settings = Settings(transfer_timeout_floor_s=1.0, transfer_timeout_slack=20)
     assert settings.transfer_timeout_s(0.001) == 1.0

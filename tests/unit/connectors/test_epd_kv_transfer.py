@@ -16,7 +16,12 @@ import pytest
 
 from epd_serve.connectors.epd_kv.grouping import LinkModel
 from epd_serve.connectors.epd_kv.layout import LayerLayout, Region
-from epd_serve.connectors.epd_kv.messages import FinishedSend, RecvPlan, SendChunk
+from epd_serve.connectors.epd_kv.messages import (
+    FinishedSend,
+    RecvPlan,
+    SendChunk,
+    blocks_to_ship,
+)
 from epd_serve.connectors.epd_kv.receiver import Receiver
 from epd_serve.connectors.epd_kv.sender import Sender
 from epd_serve.connectors.epd_kv.settings import Settings
@@ -26,7 +31,6 @@ from ...ports import free_port_block
 from ...waiting import wait_for
 
 LAYERS, BLOCKS, BLOCK_BYTES, BLOCK_SIZE = 6, 16, 256, 4
-CPU_TENSOR = types.SimpleNamespace(device=types.SimpleNamespace(type="cpu"))
 
 
 class FakeLink:
@@ -86,7 +90,8 @@ class Pair:
 def make_pair():
     made = []
 
-    def make(**overrides) -> Pair:
+    def make(mark=None, **overrides) -> Pair:
+        """`mark`: the sender's device events (none: a CPU engine)."""
         # Timeouts long enough that a starved test process does not trip them; a test of
         # one timeout makes that one short.
         settings = Settings(**{"ack_timeout_s": 5.0, "heartbeat_s": 0.1, "peer_timeout_s": 5.0,
@@ -98,7 +103,7 @@ def make_pair():
         link = FakeLink()
         port = free_port_block(1, start=32000)
         sender = Sender(link, p_layouts, BLOCK_SIZE, "p-engine", 0, settings,
-                        LinkModel(1e-4, 1e9), Stats())
+                        LinkModel(1e-4, 1e9), Stats(), mark)
         sender.start(port)
         receiver = Receiver(d_layouts, BLOCK_SIZE, "d-engine", 0, "d-session", settings, Stats())
         receiver.start()
@@ -119,12 +124,21 @@ def recv_plan(pair: Pair, transfer="t1", blocks=(9, 10, 11), first_block=0, toke
 def prefill(pair: Pair, transfer="t1", blocks=(2, 3, 4), start=0, end=12, prompt=12,
             mode="group", fault=None):
     """One prefill step computing tokens [start, end): every layer saved, pass ends."""
-    chunk = SendChunk("p-req", transfer, list(blocks), start, end, prompt, mode, fault)
+    chunk = send_chunk(transfer, blocks, start, end, prompt, mode, fault)
     pair.sender.begin_step(types.SimpleNamespace(sends=[chunk], finished_sends=[],
                                                  preempted=[], num_tokens=end - start))
     for layer in range(LAYERS):
-        pair.sender.layer_saved(layer, CPU_TENSOR)
+        pair.sender.layer_saved(layer)
     pair.sender.forward_done()
+
+
+def send_chunk(transfer="t1", blocks=(2, 3, 4), start=0, end=12, prompt=12, mode="group",
+               fault=None, request="p-req") -> SendChunk:
+    """The chunk the scheduler side plans, with the blocks it ships (those before the
+    chunk's first token's block went with earlier chunks)."""
+    first, last = blocks_to_ship(end, prompt, BLOCK_SIZE, start // BLOCK_SIZE)
+    return SendChunk(request, transfer, list(blocks), start, end, prompt, first, last, mode,
+                     fault)
 
 
 def finish_prefill(pair: Pair, transfer="t1", aborted=False):
