@@ -22,6 +22,12 @@ from epd_serve.proxy.scores import PRESETS, resolve
 Preset = Literal[tuple(PRESETS)]  # type: ignore[valid-type]
 Policy = Preset | dict[str, float]
 STAGE_LETTERS = frozenset("EPD")
+# What prefill and decode are sent for an image whose feature the MM Store holds, in
+# the dialect of the engine they run: "embeds", a metadata-only `image_embeds` part (the
+# image grid) with the image's uuid (vLLM 0.32, which takes it with --enable-mm-embeds);
+# "pixels", the image itself with its uuid (vLLM 0.23 needs the tensor in an
+# `image_embeds` part), from which the engine still takes the stored feature by that key.
+FeatureRefs = Literal["embeds", "pixels"]
 
 
 class InstanceEntry(BaseModel):
@@ -122,6 +128,10 @@ class ProxyConfig(ProxySettings):
                              "epd | mooncake | ascend-layerwise (proxy/handoff/).")
     mm_store: str | None = Field(None, description="The MM Store's StoreSpec as JSON; None: "
                                  "features go through vLLM's file connector.")
+    feature_refs: FeatureRefs = Field(
+        "embeds", description="How prefill and decode are sent an image whose feature the "
+        "MM Store holds: 'embeds' (a metadata-only image_embeds part with the uuid) or "
+        "'pixels' (the image with its uuid); resolved from the platform's engine.")
     fault_injection: bool = Field(False, description="Honour the x-epd-fault request header "
                                   "(tests only).")
     instances: list[InstanceEntry]

@@ -5,8 +5,11 @@ the image's `uuid`, which vLLM then uses as the feature's hash. After the encode
 the store, for an image seen before) has the feature, prefill and decode are sent a
 reference instead of the pixels: an `image_embeds` part holding only the placeholder
 metadata the encoder published (the image grid) plus the `uuid`, so they neither
-decode nor preprocess the image. A prefill instance is told the keys ahead of the
-request (prefetch hints) so it can pull the features while the request is on its way.
+decode nor preprocess the image. An engine that takes no such reference (vLLM 0.23;
+`feature_refs: pixels`) is sent the pixels with the `uuid` instead: it preprocesses the
+image but takes the feature from the store under that key rather than encoding it. A
+prefill instance is told the keys ahead of the request (prefetch hints) so it can pull
+the features while the request is on its way.
 """
 
 from __future__ import annotations
@@ -86,7 +89,9 @@ class Images:
                 raise ValueError("an image_url part has no url")
             self.keys.append(image_key(model, url))
         # The request with its pixels, each image tagged with its key (the client's body
-        # is not changed): what prefill gets when it must encode itself.
+        # is not changed): what the encoders take, and what prefill and decode get when
+        # they are sent no reference (they then load the stored feature under the key,
+        # or encode the image themselves).
         self.pixel_body = _replace_images(body, lambda i, part: {**part, "uuid": self.keys[i]})
         self.parts = image_parts(self.pixel_body)
         # key -> placeholder metadata (e.g. image_grid_thw), as the encoder published it
@@ -163,13 +168,14 @@ class FeatureDirectory:
         return self._store
 
     async def stored(self, keys: list[str]) -> dict[str, dict]:
-        """key -> placeholder metadata for the keys the store holds now."""
+        """key -> placeholder metadata for the keys the store holds now ({} where the
+        encoder published none: usable with the pixels, not as a reference)."""
         def look() -> dict[str, dict]:
             client = self._client()
             found = {}
             for key in keys:
                 meta = client.lookup(key)
-                if meta is not None and meta.placeholder:
+                if meta is not None:
                     found[key] = meta.placeholder
             return found
 

@@ -4,10 +4,12 @@ the images (or take them from the MM Store), then prefill and decode.
 Runs inside the proxy process (asyncio). routing.plan_stages decides the hops; the
 images go to the encoders at once (encoding.py), which put their features in the MM
 Store; prefill is hinted to prefetch them, and prefill and decode get references
-instead of pixels (features.py). A merged prefill+decode instance answers directly;
-otherwise the deployment's KV hand-off (handoff/) runs prefill and decode. If prefill
-fails on a reference (its feature went missing), the request runs once more with the
-pixels: prefill recomputes.
+instead of pixels (features.py), or, where their engine takes no reference
+(`feature_refs: pixels`), the pixels tagged with the features' keys. A merged
+prefill+decode instance answers directly; otherwise the deployment's KV hand-off
+(handoff/) runs prefill and decode. If prefill fails on a reference (its feature went
+missing), the request runs once more with the pixels: prefill recomputes (with the
+pixels from the start, it does so without failing).
 
 A stage with no healthy instance is stood in for (routing.with_stand_in, counted in
 epd_proxy_fallbacks_total and shown as FALLBACK=... in x-epd-stages): with every P down
@@ -28,8 +30,15 @@ from epd_serve.proxy.encoding import Encoder, NoEncoder
 from epd_serve.proxy.errors import ProxyError
 from epd_serve.proxy.features import FeatureDirectory, Images, all_parts
 from epd_serve.proxy.handoff import make_handoff
-from epd_serve.proxy.routing import (RouteRequest, Router, StagePlan, computing_hop, down_hops,
-                                     plan_stages, with_stand_in)
+from epd_serve.proxy.routing import (
+    Router,
+    RouteRequest,
+    StagePlan,
+    computing_hop,
+    down_hops,
+    plan_stages,
+    with_stand_in,
+)
 from epd_serve.proxy.state import InstanceTable
 from epd_serve.proxy.trip import StageRecord, Trip
 from epd_serve.proxy.upstream import Upstream
@@ -100,6 +109,8 @@ class Pipeline:
         self.encoder = Encoder(upstream, router, config.routing.encoder_batch,
                                config.routing.fan_out)
         self.features = None
+        # The engines take no metadata-only reference: prefill and decode get the pixels.
+        self.send_pixels = config.feature_refs == "pixels"
         if config.mm_store:
             endpoints = [i.prefetch_endpoint for i in config.instances if i.prefetch_endpoint]
             self.features = FeatureDirectory(StoreSpec.from_json(config.mm_store), endpoints)
@@ -146,7 +157,11 @@ class Pipeline:
             return [False] * len(images.keys)
         found = await self.features.stored(images.keys)
         images.placeholders.update(found)
-        return [k in found for k in images.keys]
+        # Sent with its pixels, an image needs only its feature in the store; sent as a
+        # reference, also the placeholder metadata (the grid) the encoder published.
+        if self.send_pixels:
+            return [k in found for k in images.keys]
+        return [bool(found.get(k)) for k in images.keys]
 
     async def _encode(self, req: Request, plan: StagePlan, images: Images | None,
                       trip: Trip) -> Prepared:
@@ -176,11 +191,17 @@ class Pipeline:
         if self.features is None:  # vLLM's file connector: the hashes travel in the body
             trip.images = "pixels"
             return Prepared({**pixel_body, "ec_transfer_params": images.ec_params})
+        if req.fault == "drop-features" and self.config.fault_injection:
+            await self.features.drop(images.keys)
+        if self.send_pixels:
+            # Each image carries its key as uuid: the engine loads the stored feature
+            # and encodes only an image whose feature it cannot get, so there is
+            # nothing to send again.
+            trip.images = "keyed"
+            return Prepared(pixel_body)
         if not images.complete:  # the encoder published no metadata: send the pixels
             trip.images = "pixels"
             return Prepared(pixel_body)
-        if req.fault == "drop-features" and self.config.fault_injection:
-            await self.features.drop(images.keys)
         trip.images = "ref"
         return Prepared(images.reference_body(), pixel_body)
 
@@ -215,7 +236,7 @@ class Pipeline:
         else:
             async def run(body: dict):
                 return await self.handoff.complete(req.path, body, trip, candidates)
-        if self.features is not None and trip.images == "ref":
+        if self.features is not None and trip.images in ("ref", "keyed"):
             # Tell the likely prefill instance which features to pull, ahead of the request.
             self.features.hint(candidates[0].entry.prefetch_endpoint, images.keys)
         return run

@@ -3,7 +3,7 @@ in the x-epd-stages header and writes it in its request log, e.g.
 `E=e0:18.3ms;P=p1:31.8ms;D=d2;KV=done:bytes=393216B:transfer=1.6ms:exposed=0.0ms:groups=2;IMG=ref`
 or, with every prefill instance down, `E=e0:18.3ms;D=d2:250.1ms;IMG=ref;FALLBACK=P>D`.
 Parts: `<stage>=<instance>[!][:<ms>ms]` per hop, `KV=` (the hand-off's report), `IMG=`
-(ref | pixels | recompute), and `FALLBACK=<missing>><stand-in>[,...]` for stages whose
+(ref | keyed | pixels | recompute), and `FALLBACK=<missing>><stand-in>[,...]` for stages whose
 work another stage did because none of their instances was healthy (see `Trip.header`).
 
 Pure data, filled in by upstream.py (each hop), encoding.py and the KV hand-offs.
@@ -37,6 +37,7 @@ class Trip:
     stages: list[StageRecord] = dataclasses.field(default_factory=list)
     kv: dict[str, Any] | None = None  # the KV hand-off's own report, where it gives one
     # How prefill and decode got the images: "ref" (feature references, no pixels),
+    # "keyed" (the pixels tagged with their stored features' keys: feature_refs pixels),
     # "pixels", or "recompute" (references failed, then pixels); None for text.
     images: str | None = None
     retries: int = 0

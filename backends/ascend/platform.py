@@ -18,20 +18,28 @@ class AscendPlatform(Platform):
     device_visibility_env = "ASCEND_RT_VISIBLE_DEVICES"
     memory_flag = "--gpu-memory-utilization"  # vllm-ascend keeps vLLM's flag name
     attention_backend = None  # vllm-ascend registers its own NPU attention
-    # vllm-ascend registers MooncakeLayerwiseConnector itself (no module path): the
-    # prefill side pushes each layer's KV into decode's registered NPU memory.
-    kv_connectors = {"ascend-layerwise": Connector("MooncakeLayerwiseConnector")}
+    # Both write P's KV into D's registered NPU memory through Mooncake's transfer engine.
+    # The NPU wheel (mooncake-transfer-engine-npu 0.3.11.post1, built USE_ASCEND_DIRECT)
+    # installs its Ascend transport whatever `protocol` says: CANN's ADXL, over HCCS
+    # inside a node and the NPUs' own RoCE NICs between nodes, so `device_name` and
+    # `gid_index` (host RDMA NICs) play no part here. `protocol: ascend` says so to our
+    # connector (fabric.installed_transport) and is what vllm-ascend passes too.
+    # - epd (default): ours, decode reserves blocks and prefill pushes layer groups as
+    #   they are computed;
+    # - ascend-layerwise: vllm-ascend's MooncakeLayerwiseConnector (registered by
+    #   vllm-ascend itself, no module path): decode posts its blocks to the proxy's
+    #   /v1/metaserver, then prefill pushes each layer.
+    kv_connectors = {
+        "epd": Connector("EPDKVConnector", "epd_serve.connectors.epd_kv", {"protocol": "ascend"}),
+        "ascend-layerwise": Connector("MooncakeLayerwiseConnector"),
+    }
     ray_resource = "NPU"
-    default_kv_protocol = "ascend-layerwise"
-    # vllm-ascend has no EC connector of its own and uses vLLM's file-based one.
+    default_kv_protocol = "epd"
+    # vllm-ascend has no EC connector of its own: `mm_store: {backend: file}` selects
+    # vLLM's file-based one instead of our MM Store.
     ec_connector = Connector("ECExampleConnector")
-    own_connectors_unavailable = (
-        "the pinned vllm-ascend 0.23.0 runs on vLLM 0.23.0, whose connector API lacks what "
-        "our MM Store and layer-grouped KV connectors are built on (vLLM 0.32's EC "
-        "placeholder metadata and KV transfer results), so `epd-serve check-flags` rejects "
-        "them there; Atlas deployments hand features over with vLLM's file-based "
-        "ECExampleConnector and KV with vllm-ascend's MooncakeLayerwiseConnector")
     usable_memory = 0.9
+    feature_refs = "pixels"  # vllm-ascend 0.23 runs on vLLM 0.23 (hal.Platform.feature_refs)
 
     def platform_env(self, launch) -> dict[str, str]:
         return {

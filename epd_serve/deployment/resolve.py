@@ -7,6 +7,7 @@ Pure Python; runs in the CLI and the launcher. Errors are one-line ConfigErrors.
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 from epd_serve.backends import get_platform
@@ -42,6 +43,7 @@ def resolve(config: Deployment, root: Path) -> ResolvedDeployment:
     shares = memory_shares(plan)
     protocol = kv_protocol_of(config, platform)
     store = store_spec_of(config, platform)
+    engine_python = engine_python_of(config, root)
     launches = []
     next_kv_port = config.kv_base_port
     next_prefetch_port = config.mm_store.prefetch_base_port
@@ -81,13 +83,15 @@ def resolve(config: Deployment, root: Path) -> ResolvedDeployment:
                 kv_config=tuple(sorted(config.kv_connector_config.items())),
                 extra_args=tuple(_flag_args(args)),
                 extra_env=tuple(sorted(config.env.items())),
+                engine_python=engine_python,
             )
         )
     if store is not None and store.backend == "shm" and config.cluster is not None:
         _check_store_on_head(config.cluster, config.name, launches)
     return ResolvedDeployment(config=config, plan=plan, platform=platform, mm_store=store,
                               model_dir=model, work_dir=work_dir, launches=launches,
-                              proxy_host=proxy_host_of(config))
+                              proxy_host=proxy_host_of(config),
+                              feature_refs=feature_refs_of(config, platform))
 
 
 def slots_of(config: Deployment) -> dict[str, Slot]:
@@ -135,6 +139,14 @@ def kv_protocol_of(config: Deployment, platform: Platform) -> str:
     return name
 
 
+def feature_refs_of(config: Deployment, platform: Platform) -> str:
+    """What prefill and decode are sent for an image whose feature the MM Store holds:
+    the deployment's choice, else what the platform's pinned engine takes. vLLM 0.32
+    (cpu, cuda) takes a metadata-only image_embeds reference; vllm-ascend 0.23 runs on
+    vLLM 0.23, which needs the tensor in an image_embeds part, so it gets the pixels."""
+    return config.feature_refs or platform.feature_refs
+
+
 def store_spec_of(config: Deployment, platform: Platform) -> StoreSpec | None:
     """The deployment's MM Store, or None where features go through vLLM's file
     connector or nothing is encoded apart (no encoder-only instance)."""
@@ -149,6 +161,23 @@ def store_spec_of(config: Deployment, platform: Platform) -> StoreSpec | None:
     return StoreSpec(backend=store.backend, host=proxy_host_of(config), port=store.port,
                      metrics_port=store.metrics_port, capacity_bytes=int(store.capacity),
                      name=config.name, protocol=store.protocol)
+
+
+def engine_python_of(config: Deployment, root: Path) -> str | None:
+    """The deployment's engine interpreter as an absolute path, checked to be an
+    executable file; None: epd-serve's own. Symlinks are kept, not resolved: a
+    virtualenv's bin/python links to the base interpreter, and only the link's own
+    path makes Python use the virtualenv's packages."""
+    if config.engine_python is None:
+        return None
+    path = os.path.abspath(root / Path(config.engine_python).expanduser())
+    fix = ("build that environment (e.g. scripts/setup-vllm023.sh) or drop the key to "
+           "start the engines with epd-serve's own interpreter")
+    if not os.path.isfile(path):
+        raise ConfigError(f"{config.name}: engine_python {path} does not exist; {fix}")
+    if not os.access(path, os.X_OK):
+        raise ConfigError(f"{config.name}: engine_python {path} is not executable; {fix}")
+    return path
 
 
 def _absolute(value: str, root: Path) -> Path:
@@ -168,6 +197,7 @@ class ResolvedDeployment:
     work_dir: Path
     launches: list[InstanceLaunch]
     proxy_host: str = "127.0.0.1"  # where the proxy (and the MM Store's servers) run
+    feature_refs: str = "embeds"  # what P and D get for a stored image (feature_refs_of)
 
     @property
     def proxy_url(self) -> str:

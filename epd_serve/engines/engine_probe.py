@@ -4,7 +4,7 @@ Runs inside the Python environment of the engine being checked (`python -m
 epd_serve.engines.engine_probe < launches.json`), which may hold another vLLM release than the
 one epd-serve runs beside: it imports nothing of epd-serve at module level and looks
 vLLM's entry points up where each release keeps them. Reads a JSON list of
-{"config", "instance", "platform", "device_type", "argv", "env"} (argv: the engine's arguments after
+{"config", "instance", "platform", "device_type", "argv", "env", ...} (argv: the engine's arguments after
 the program and its model, e.g. after `vllm serve MODEL`) and writes one JSON report:
 the engine's version, and per launch the flags it rejected and what it could not check.
 
@@ -389,8 +389,9 @@ def main() -> int:
     with contextlib.redirect_stdout(sys.stderr):  # engine logs must not mix with the report
         engine = Engine(first["platform"], first["device_type"])
         results = [engine.check(launch) for launch in launches]
+    # The interpreter too: a deployment's engine_python runs the probe, not epd-serve's.
     report = {"engine": {"vllm": engine.version, "vllm_ascend": engine.ascend_version,
-                         "python": sys.version.split()[0]},
+                         "python": sys.version.split()[0], "interpreter": sys.executable},
               "notes": engine.notes, "launches": results}
     json.dump(report, sys.stdout)
     return 0

@@ -24,6 +24,9 @@ from epd_serve.topology.notation import Instance, Plan, Role
 # ec_connector_module_path, which vllm-ascend inherits).
 EC_STORE_CONNECTOR = Connector("EPDECConnector", "epd_serve.connectors.epd_ec")
 
+# The module behind vLLM's `vllm` console script (`python -m ... serve` == `vllm serve`).
+VLLM_CLI_MODULE = "vllm.entrypoints.cli.main"
+
 # Relative memory weight of co-located instances: an encoder-only instance holds the
 # vision tower and its activations, far less than an LLM instance's weights + KV cache.
 ENCODER_WEIGHT = 1.0
@@ -53,6 +56,9 @@ class InstanceLaunch:
     extra_args: tuple[str, ...] = ()
     extra_env: tuple[tuple[str, str], ...] = ()
     node: str = "local"  # the cluster node it runs on ("local": one host, no cluster)
+    # The interpreter of the engine's own environment (another vLLM release than the one
+    # beside epd-serve); None: the interpreter running epd-serve.
+    engine_python: str | None = None
 
     @property
     def name(self) -> str:
@@ -135,11 +141,30 @@ class Platform(ABC):
     ray_resource: ClassVar[str]
     # Fraction of a device's memory that all instances on it may use together.
     usable_memory: ClassVar[float] = 0.9
+    # What prefill and decode get for an image whose feature the MM Store holds: a
+    # metadata-only image_embeds reference (vLLM 0.32+ takes it) or the pixels with the
+    # image's uuid (vLLM 0.23 needs the tensor in an image_embeds part).
+    feature_refs: ClassVar[str] = "embeds"
 
     # -- command line -------------------------------------------------------
     def engine_launcher(self) -> list[str]:
         """The program that starts a vLLM OpenAI-compatible server."""
         return ["vllm", "serve"]
+
+    def launcher_for(self, launch: InstanceLaunch) -> list[str]:
+        """engine_launcher(), started by the launch's engine interpreter when it names
+        one: in place of epd-serve's interpreter, or, for the `vllm` console script, as
+        the module behind it (the script on PATH may belong to another environment)."""
+        program = self.engine_launcher()
+        python = launch.engine_python
+        if python is None:
+            return program
+        if program[0] == sys.executable:
+            return [python, *program[1:]]
+        if program[0] == "vllm":
+            return [python, "-m", VLLM_CLI_MODULE, *program[1:]]
+        raise ValueError(f"{self.name} starts its engine with {program[0]!r}, not a Python "
+                         "module: engine_python cannot choose its interpreter")
 
     def memory_fraction(self, launch: InstanceLaunch) -> float:
         return round(self.usable_memory * launch.memory_share, 3)
@@ -191,7 +216,7 @@ class Platform(ABC):
         return _connector_config("ec", conn, launch.ec_role)
 
     def command(self, launch: InstanceLaunch) -> list[str]:
-        cmd = [*self.engine_launcher(), launch.model]
+        cmd = [*self.launcher_for(launch), launch.model]
         cmd += ["--served-model-name", launch.served_model_name]
         cmd += ["--host", launch.host, "--port", str(launch.port)]
         cmd += ["--max-model-len", str(launch.max_model_len)]
@@ -256,5 +281,6 @@ def _connector_config(kind: str, conn: Connector, role: str) -> dict[str, Any]:
 
 
 def python_module_launcher(module: str) -> list[str]:
-    """Start a module with the interpreter running epd-serve (same virtualenv)."""
+    """Start a module with the interpreter running epd-serve (same virtualenv); a
+    deployment's engine_python takes its place (Platform.launcher_for)."""
     return [sys.executable, "-m", module]

@@ -4,9 +4,10 @@ engine that will run it.
 Runs in the CLI. For each deployment file it takes exactly what `epd-serve up` and
 `launch --emit-shell` start (the start-up plan's command line and environment per
 instance), hands
-them to `epd_serve.engines.engine_probe` running under the engine's Python (this one, or a
-scratch environment holding a platform's pinned stack: scripts/check-engine-flags.sh),
-and reports every flag the engine rejects by config, instance and flag, plus what the
+them to `epd_serve.engines.engine_probe` running under the engine's Python (the
+deployment's `engine_python`, else the one given: this one by default, or a scratch
+environment holding a platform's pinned stack: scripts/check-engine-flags.sh), and
+reports every flag the engine rejects by config, instance and flag, plus what the
 probe could not check and why.
 """
 
@@ -60,24 +61,25 @@ def shipped_configs(platform: str, root: Path = Path(".")) -> list[Path]:
 
 def engine_launches(config_path: Path, build_models: bool = True) -> list[dict[str, Any]]:
     """One probe entry per instance: the engine's arguments as `--model MODEL ...` (the
-    program that starts the server stripped) and the environment it gets."""
+    program that starts the server stripped), the environment it gets, and the
+    interpreter that starts it (None: the deployment names none)."""
     dep = deploy.load(config_path)
     if build_models:
         deploy.ensure_model(dep)  # tiny models are built offline in a second
     platform = dep.platform
-    program = platform.engine_launcher()
     entries = []
     # In plan order (the start order puts instances that share a device later).
     steps = {step.name: step for step in startup_plan(dep)}
     for step in (steps[launch.name] for launch in dep.launches):
         model, command = step.launch.model, list(step.command)
+        program = platform.launcher_for(step.launch)
         # `vllm serve MODEL ...` or `python -m ...api_server --model MODEL ...`
         if command[:len(program) + 1] != [*program, model]:
             raise AssertionError(f"{step.name}: command does not start with {program} MODEL")
         entries.append({"config": str(config_path), "instance": step.name,
                         "platform": platform.name, "device_type": platform.device_type,
                         "argv": ["--model", model, *command[len(program) + 1:]],
-                        "env": step.env})
+                        "env": step.env, "python": step.launch.engine_python})
     return entries
 
 
@@ -94,14 +96,16 @@ def run_probe(entries: list[dict[str, Any]], python: str = sys.executable) -> di
 
 
 def check(configs: list[Path], python: str = sys.executable) -> list[Report]:
-    """Check every config; one probe process per platform (vLLM imports once)."""
-    by_platform: dict[str, list[dict[str, Any]]] = {}
+    """Check every config under its engine's interpreter: the deployment's
+    engine_python, else `python`. One probe process per platform and interpreter (vLLM
+    imports once)."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for path in configs:
         for entry in engine_launches(path):
-            by_platform.setdefault(entry["platform"], []).append(entry)
+            groups.setdefault((entry["platform"], entry["python"] or python), []).append(entry)
     reports = []
-    for platform, entries in by_platform.items():
-        raw = run_probe(entries, python)
+    for (platform, interpreter), entries in groups.items():
+        raw = run_probe(entries, interpreter)
         rejects = [Reject(r["config"], r["instance"], x["flag"], x["message"])
                    for r in raw["launches"] for x in r["rejects"]]
         unchecked = Counter((u["what"], u["reason"]) for r in raw["launches"] for u in r["unchecked"])

@@ -57,10 +57,23 @@ def preflight(dep: ResolvedDeployment) -> None:
                 f"(`epd-serve down CONFIG` if it is an earlier deployment) or change "
                 "proxy_port/base_port/kv_base_port in the deployment file"
             )
-    try:
-        dep.platform.check_available()
-    except RuntimeError as err:
-        raise LaunchError(str(err)) from None
+    interpreters = {launch.engine_python for launch in dep.launches} - {None, sys.executable}
+    if not interpreters:
+        try:
+            dep.platform.check_available()
+        except RuntimeError as err:
+            raise LaunchError(str(err)) from None
+    for python in sorted(interpreters):
+        # The engines run another environment's vLLM: that one must have the platform's
+        # packages, not ours. It runs the same check (epd-serve is installed there too).
+        check = (f"from epd_serve.backends import get_platform; "
+                 f"get_platform({dep.platform.name!r}).check_available()")
+        done = subprocess.run([python, "-c", check], capture_output=True, text=True,
+                              timeout=300)
+        if done.returncode != 0:
+            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            raise LaunchError(f"the engine environment {python} is not ready for "
+                              f"{dep.platform.name}: {last}")
 
 
 class Launcher:

@@ -169,6 +169,7 @@ def proxy_config(dep: ResolvedDeployment) -> ProxyConfig:
         port=dep.config.proxy_port,
         kv_protocol=dep.launches[0].kv_protocol,
         mm_store=dep.mm_store.to_json() if dep.mm_store is not None else None,
+        feature_refs=dep.feature_refs,
         fault_injection=dep.config.fault_injection,
         instances=instances,
     )

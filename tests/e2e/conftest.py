@@ -4,6 +4,13 @@ At most one deployment (three engine instances) runs at a time: asking for anoth
 stops the current one first. Mooncake's transfer engine listens on every interface,
 so these tests refuse to run outside a loopback-only network namespace
 (scripts/test.sh provides one).
+
+EPD_E2E_ENGINE_PYTHON names another engine environment's interpreter (e.g.
+.venv-vllm023/bin/python): every deployment then starts its engines with it (the
+deployment key `engine_python`) while the launcher, proxy and tests stay on this one.
+Such an engine (vLLM 0.23, the core of vllm-ascend) takes no metadata-only image_embeds
+reference, so those deployments send P and D the pixels tagged with their features'
+keys (`feature_refs: pixels`, an Atlas deployment's default), unless a test says otherwise.
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ from ..ports import free_port_block
 
 REPO = Path(__file__).resolve().parents[2]
 STORE_CAPACITY = 64 << 20
+# Relative to the repository, like the deployment files' own paths.
+ENGINE_PYTHON = os.environ.get("EPD_E2E_ENGINE_PYTHON") or None
 
 
 def pytest_collection_modifyitems(config, items):
@@ -76,7 +85,9 @@ class Deployments:
             "model": str(self.model), "tiny_model": None,
             "proxy_port": base, "base_port": base + 10, "kv_base_port": base + 30,
             "mm_store": store, "fault_injection": True,
-            "work_dir": str(self.work_root / name), **overrides})
+            "work_dir": str(self.work_root / name), "engine_python": ENGINE_PYTHON,
+            **({"feature_refs": "pixels"} if ENGINE_PYTHON else {}),
+            **overrides})
         launcher = deploy.bring_up(dep)
         self.current = (key, dep, launcher)
         return dep

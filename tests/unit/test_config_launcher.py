@@ -18,7 +18,7 @@ from epd_serve.deployment.resolve import resolve
 from epd_serve.engines.hal import python_module_launcher
 from epd_serve.engines.payloads import chat_body
 from epd_serve.runtime.child import Child
-from epd_serve.runtime.launcher import Launcher, stop_from_state
+from epd_serve.runtime.launcher import Launcher, preflight, stop_from_state
 from epd_serve.runtime.shell import emit_shell
 from epd_serve.runtime.supervision import LaunchError
 
@@ -109,6 +109,19 @@ def test_relative_model_paths_resolve_against_the_project_root(tmp_path):
     assert resolve(cfg, root).model_dir == tmp_path.resolve() / ".epd/models/m"
 
 
+def test_a_missing_or_unusable_engine_interpreter_is_refused_by_name(tmp_path):
+    path = write_config(tmp_path, "name: x\ndeployment: P-D\nmodel: m\n"
+                                  "engine_python: .venv-other/bin/python\n")
+    proc = run_cli("launch", str(path))
+    assert proc.returncode == 2 and "\n" not in proc.stderr.strip()
+    missing = tmp_path.resolve() / ".venv-other/bin/python"
+    assert f"engine_python {missing} does not exist" in proc.stderr
+    missing.parent.mkdir(parents=True)
+    missing.write_text("")  # there, but not executable
+    with pytest.raises(config.ConfigError, match=f"engine_python {missing} is not executable"):
+        resolve(*config.load(path))
+
+
 def test_plan_needing_more_devices_than_listed(tmp_path):
     with pytest.raises(config.ConfigError, match="needs 3 devices but 'devices' lists 2"):
         make_dep(tmp_path, devices=[0, 1])
@@ -168,6 +181,40 @@ def test_launcher_starts_supervises_restarts_and_stops(tmp_path):
         launcher.stop()
     assert not any(pid_alive(p) for p in pids)
     assert not (dep.work_dir / "state.json").exists()
+
+
+def test_engines_start_with_the_deployments_interpreter(tmp_path):
+    """Each instance's engine runs under engine_python; the proxy stays on ours."""
+    calls = tmp_path / "engine-python-calls"
+    engine_python = tmp_path / "engine-env" / "bin" / "python"
+    engine_python.parent.mkdir(parents=True)
+    engine_python.write_text(f'#!/bin/sh\necho "$@" >> {calls}\nexec {sys.executable} "$@"\n')
+    engine_python.chmod(0o755)
+    dep = make_dep(tmp_path, "P-D", engine_python=str(engine_python))
+    launcher = Launcher(dep, FakeEnginePlatform(), on_event=lambda msg: None)
+    launcher.start()
+    try:
+        launcher.wait_healthy()
+    finally:
+        launcher.stop()
+    calls_made = calls.read_text().splitlines()
+    # First the platform's check, in the engine environment (not in ours) ...
+    assert calls_made[0].startswith("-c from epd_serve.backends import get_platform")
+    # ... then the two engines.
+    started = calls_made[1:]
+    assert len(started) == 2
+    assert all(line.startswith("-m epd_serve.testing.fake_server --model") for line in started)
+
+
+def test_an_engine_environment_without_the_platforms_packages_is_refused(tmp_path):
+    broken = tmp_path / "engine-env" / "bin" / "python"
+    broken.parent.mkdir(parents=True)
+    broken.write_text("#!/bin/sh\necho 'RuntimeError: the CPU backend needs vllm' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    dep = make_dep(tmp_path, "P-D", engine_python=str(broken))
+    with pytest.raises(LaunchError, match=f"engine environment {broken} is not ready for "
+                                          "cpu: RuntimeError: the CPU backend needs vllm"):
+        preflight(dep)
 
 
 class FakeDevicePlatform(FakeEnginePlatform):
@@ -263,4 +310,4 @@ def test_emitted_shell_script_is_valid_bash_with_every_instance(tmp_path):
     for launch in dep.launches:  # every instance, waited on before the proxy is
         assert f"wait_serving {launch.name} {launch.url}/health" in script
     assert "wait_serving proxy http://127.0.0.1:8000/ready" in script  # then the proxy, ready
-    assert "MooncakeLayerwiseConnector" in script and "trap cleanup EXIT INT TERM" in script
+    assert "EPDKVConnector" in script and "trap cleanup EXIT INT TERM" in script

@@ -63,6 +63,33 @@ def test_a_made_up_flag_and_a_bad_value_are_reported_per_instance(cpu_check):
     assert f"REJECTED {made_up} e0 --made-up-flag" in flagcheck.render([report])
 
 
+def _fake_engine_python(path: Path, vllm: str) -> Path:
+    """An interpreter that answers the probe with a canned report and keeps the launches
+    it was asked about in PATH.asked."""
+    path.parent.mkdir(parents=True)
+    report = json.dumps({"engine": {"vllm": vllm, "interpreter": str(path)},
+                         "notes": [], "launches": []})
+    path.write_text(f"#!/bin/sh\ncat > {path}.asked\necho '{report}'\n")
+    path.chmod(0o755)
+    return path
+
+
+def test_each_deployment_is_probed_under_its_engine_interpreter(tmp_path, monkeypatch):
+    """A file naming engine_python is checked by that environment's vLLM; the others
+    by the interpreter given (epd-serve's own by default)."""
+    monkeypatch.setattr(flagcheck.deploy, "ensure_model", lambda dep: None)
+    engine = _fake_engine_python(tmp_path / "engine-env/bin/python", "0.23.0")
+    given = _fake_engine_python(tmp_path / "given/bin/python", "0.32.0")
+    named = _write_config(tmp_path, "named", engine_python="engine-env/bin/python")
+    plain = _write_config(tmp_path, "plain")
+    reports = flagcheck.check([named, plain], python=str(given))
+    assert [(r.engine["vllm"], r.checked) for r in reports] == [("0.23.0", 3), ("0.32.0", 3)]
+    asked = json.loads(Path(f"{engine}.asked").read_text())
+    assert [(e["config"], e["argv"][:2]) for e in asked] == [(str(named), ["--model", str(
+        tmp_path / ".epd/models/tiny-qwen2-vl")])] * 3
+    assert f"interpreter {engine}" in flagcheck.render(reports)
+
+
 def _fake_vllm_ascend(root: Path) -> None:
     """A vllm-ascend that cannot import (no CANN), laid out like the real one."""
     pkg = root / "vllm_ascend"

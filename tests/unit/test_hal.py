@@ -152,31 +152,15 @@ def test_cuda_tensor_parallel_instance_sees_both_devices():
     assert "--kv-transfer-config" not in cmd and "--ec-transfer-config" not in cmd
 
 
-def test_ascend_uses_npu_visibility_and_layerwise_mooncake():
+def test_ascend_uses_npu_visibility_and_its_allocator():
+    # The connectors Atlas deployments use: tests/unit/test_ascend_platform.py.
     inst = by_name(resolved("ascend", "(E-P)-D"))
     p_cmd, p_env, _ = inst["p0"]
     assert p_env["ASCEND_RT_VISIBLE_DEVICES"] == "0" and "CUDA_VISIBLE_DEVICES" not in p_env
     assert p_env["PYTORCH_NPU_ALLOC_CONF"] == "expandable_segments:True"
     assert "--attention-backend" not in p_cmd
-    kv = json.loads(flag(p_cmd, "--kv-transfer-config"))
-    assert kv["kv_connector"] == "MooncakeLayerwiseConnector"
-    assert kv["kv_role"] == "kv_producer" and kv["kv_buffer_device"] == "npu"
-    assert kv["kv_port"] == "8900"
-    assert "kv_connector_extra_config" not in kv  # the connector reads none of ours
-    assert json.loads(flag(inst["d0"][0], "--kv-transfer-config"))["kv_port"] == "8901"
-    ec = json.loads(flag(inst["e0"][0], "--ec-transfer-config"))
-    assert ec["ec_connector"] == "ECExampleConnector"  # the file connector by default
     assert flag(inst["e0"][0], "--gpu-memory-utilization") == "0.18"
     assert inst["d0"][1]["ASCEND_RT_VISIBLE_DEVICES"] == "1"
-
-
-def test_ascend_refuses_our_connectors_with_the_reason():
-    """vllm-ascend 0.23.0 runs on vLLM 0.23.0, where our connectors do not load (the
-    flag check against that engine rejects them): asking for them is a config error."""
-    with pytest.raises(config.ConfigError, match="does not run on ascend.*vLLM 0.23.0"):
-        resolved("ascend", "P-D", kv_connector="epd")
-    with pytest.raises(config.ConfigError, match="mm_store backend 'shm' does not run on ascend"):
-        resolved("ascend", "E-P-D", mm_store={"backend": "shm"})
 
 
 def test_cpu_commands_use_our_connectors_and_kv_cache_env():
@@ -198,6 +182,37 @@ def test_cpu_commands_use_our_connectors_and_kv_cache_env():
     assert "--enforce-eager" in p_cmd
     assert flag(p_cmd, "--limit-mm-per-prompt") == '{"image":2}'
     assert inst["d0"][1]["VLLM_CPU_KVCACHE_SPACE"] == "2"
+
+
+def test_engine_python_starts_each_platforms_engine_with_that_interpreter(tmp_path):
+    # A virtualenv's bin/python is a link to the base interpreter: the path must stay
+    # the link's, or the engine would run without the environment's packages.
+    python = tmp_path / "engine-env" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.symlink_to(sys.executable)
+    cli = ["-m", "vllm.entrypoints.cli.main", "serve"]  # what `vllm serve` runs
+    programs = {"cpu": ["-m", "vllm.entrypoints.openai.api_server", "--model"],
+                "cuda": cli, "ascend": cli}
+    for platform, program in programs.items():
+        cfg = config.Deployment(name="t", platform=platform, deployment="P-D",
+                                model="/models/m", engine_python="engine-env/bin/python")
+        for cmd, _, launch in by_name(resolve(cfg, tmp_path)).values():
+            assert launch.engine_python == str(python)
+            assert cmd[:len(program) + 2] == [str(python), *program, "/models/m"], platform
+    # Without it: epd-serve's own interpreter, or the `vllm` script on PATH.
+    assert by_name(resolved("cuda", "P-D"))["p0"][0][:3] == ["vllm", "serve", "/models/m"]
+
+
+def test_engine_python_is_refused_where_the_engine_is_no_python_module(tmp_path):
+    class Binary(type(get_platform("cpu"))):
+        def engine_launcher(self):
+            return ["/opt/engine/bin/serve"]
+
+    (tmp_path / "python").symlink_to(sys.executable)
+    cfg = config.Deployment(name="t", deployment="P-D", model="/models/m",
+                            engine_python="python")
+    with pytest.raises(ValueError, match="engine_python cannot choose its interpreter"):
+        Binary().command(resolve(cfg, tmp_path).launches[0])
 
 
 def test_role_engine_args_apply_to_instances_running_that_stage():

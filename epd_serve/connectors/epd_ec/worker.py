@@ -24,11 +24,12 @@ from typing import NoReturn
 
 import torch
 
+from epd_serve.connectors import compat
 from epd_serve.connectors.epd_ec.codec import HostStaging, to_bytes, to_tensor
 from epd_serve.connectors.epd_ec.prefetch import Prefetcher
 from epd_serve.connectors.epd_ec.scheduler import ECStep
 from epd_serve.connectors.epd_ec.settings import Settings
-from epd_serve.connectors.epd_ec.stats import EPDECWorkerMeta, Recorder
+from epd_serve.connectors.epd_ec.stats import EPDECWorkerMeta, LoggedCounts, Recorder
 from epd_serve.mmstore import FeatureMeta, FeatureStore, StoreError, open_store
 
 log = logging.getLogger("vllm.epd_serve.ec")
@@ -58,13 +59,12 @@ class EPDECWorker:
         self.settings = settings
         self.producer = producer
         self.consumer = consumer
-        self.device = current_platform.device_type
-        if current_platform.is_cuda_alike():
-            self.device = f"{self.device}:{current_platform.current_device()}"
+        self.device = compat.accelerator_device(current_platform.device_type)
         self.store: FeatureStore = open_store(
             settings.store, segment_bytes=settings.segment_bytes if producer else 0,
             local_host=settings.host, wait_s=settings.open_timeout_s)
         self.recorder = Recorder()
+        self._logged = None if compat.EC_WORKER_META else LoggedCounts(self.recorder, "worker")
         # Tensor-parallel ranks all hold the whole feature. One of them stores it and
         # listens for hints (one port per instance); the others read it when needed.
         self.first_rank = _tp_rank() == 0
@@ -177,6 +177,11 @@ class EPDECWorker:
                    "error; the launcher restarts it)")
         log.error(message)
         raise FeatureUnavailable(message)
+
+    def step_done(self) -> None:
+        """After each step: where vLLM takes no worker metadata, log the counts."""
+        if self._logged is not None:
+            self._logged.tick()
 
     def worker_meta(self) -> EPDECWorkerMeta | None:
         data = self.recorder.take()

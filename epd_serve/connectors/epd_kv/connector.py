@@ -10,13 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
-    KVConnectorRole,
-    KVConnectorTransferResults,
-)
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
+from epd_serve.connectors import compat
 from epd_serve.connectors.epd_kv.metadata import StepPlan
 from epd_serve.connectors.epd_kv.scheduler import EPDKVScheduler
 from epd_serve.connectors.epd_kv.settings import Settings
@@ -24,7 +20,8 @@ from epd_serve.connectors.epd_kv.stats import EPDKVPromMetrics, EPDKVStats
 
 
 class EPDKVConnector(KVConnectorBase_V1):
-    _cache_hit_source = CacheHitSource.P2P
+    if compat.P2P_CACHE_HIT_SOURCE is not None:  # vLLM's prefix-cache hit metrics
+        _cache_hit_source = compat.P2P_CACHE_HIT_SOURCE
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
@@ -35,6 +32,7 @@ class EPDKVConnector(KVConnectorBase_V1):
         settings = Settings.from_extra_config(dict(transfer.kv_connector_extra_config))
         self.scheduler: EPDKVScheduler | None = None
         self.worker = None
+        self._load_errors: set[int] = set()  # blocks of failed receives, older vLLM
         if role == KVConnectorRole.SCHEDULER:
             if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) != 1:
                 raise ValueError("EPDKVConnector supports models with one KV cache group "
@@ -65,17 +63,13 @@ class EPDKVConnector(KVConnectorBase_V1):
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config) -> str | None:
-        # vLLM 0.32+ asks before it allocates the KV cache. Both engines of a transfer
-        # must store blocks alike; settings.py says why LBHNC is the default.
+        # vLLM asks before it allocates the KV cache. Both engines of a transfer must
+        # store blocks alike; settings.py says why LBHNC (HND before vLLM 0.32) is the
+        # default.
         extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
-        layout = Settings.from_extra_config(extra).kv_cache_layout
-        return None if layout == "auto" else layout
+        return compat.kv_cache_layout_request(Settings.from_extra_config(extra).kv_cache_layout)
 
     # -- scheduler side --------------------------------------------------------------
-    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
-        super().bind_kv_cache_manager(kv_cache_manager)
-        self.scheduler.kv_cache_manager = kv_cache_manager
-
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
@@ -117,14 +111,23 @@ class EPDKVConnector(KVConnectorBase_V1):
         # Writes continue in the background; blocks stay pinned until they end.
         self.worker.forward_done()
 
+    # Whichever of the two vLLM calls after a step decides how failed receives are
+    # told (both end in the same recompute): vLLM 0.32+ takes them by request id;
+    # older vLLM by their blocks, from get_block_ids_with_load_errors called next.
     def get_transfer_results(self, finished_req_ids):
-        sending, recving, failed = self.worker.transfer_results(finished_req_ids)
-        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
-                                          failed_recving=failed)
+        results = self.worker.transfer_results(finished_req_ids)
+        return compat.KVConnectorTransferResults(finished_sending=results.sending,
+                                                 finished_recving=results.recving,
+                                                 failed_recving=results.failed)
 
     def get_finished(self, finished_req_ids):
-        results = self.get_transfer_results(finished_req_ids)
-        return results.finished_sending or None, results.finished_recving or None
+        results = self.worker.transfer_results(finished_req_ids)
+        self._load_errors |= results.failed_blocks
+        return results.sending or None, results.recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
 
     def build_connector_worker_meta(self):
         return self.worker.take_reports()

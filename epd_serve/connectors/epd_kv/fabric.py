@@ -99,10 +99,12 @@ def screen_hcas(hcas: Sequence[Hca], device_name: str,
 def installed_transport(protocol: str, env: Mapping[str, str], hcas: Sequence[str]) -> str:
     """The transport `TransferEngineImpl::init` installs, given the environment it
     starts in and the HCAs its discovery keeps (`screen_hcas`)."""
+    if protocol == "ascend":
+        # NPU builds (USE_ASCEND_DIRECT) install theirs whatever the environment and
+        # HCAs: they never read MC_FORCE_TCP.
+        return "ascend"
     if FORCE_TCP in env:
         return TCP
-    if protocol == "ascend":
-        return "ascend"  # NPU builds install theirs whatever the HCAs
     if "MC_INTRANODE_NVLINK" in env:
         return "nvlink_intra"
     if hcas or "MC_FORCE_HCA" in env:

@@ -10,8 +10,9 @@ side-channel thread handles prefill's messages and, every tick, the checks:
 - a failed transfer whose writes are still in flight is held until prefill says they
   ended (`Released`), at most `release_grace_s`, so no late write lands in blocks the
   engine has already given to another request.
-Failed transfers are reported to vLLM as failed receives; with
-`kv_load_failure_policy: recompute` the engine then computes the prompt itself.
+Failed transfers are reported to vLLM as failed receives (before vLLM 0.32: as the
+blocks they were to fill, connector.py); with `kv_load_failure_policy: recompute` the
+engine then computes the prompt itself.
 """
 
 from __future__ import annotations

@@ -35,8 +35,10 @@ class EPDKVScheduler:
         self.block_size = vllm_config.cache_config.block_size
         role = vllm_config.kv_transfer_config.kv_role
         self.is_producer = role == "kv_producer"
-        self.kv_cache_manager = None  # bound by vLLM after construction
         self._sending: dict[str, Any] = {}  # request id -> Request being prefilled
+        # Their blocks, from the scheduler outputs (vLLM before 0.32 lends a connector
+        # no cache manager to ask).
+        self._block_ids: dict[str, list[int]] = {}
         self._shipped: dict[str, int] = {}  # request id -> blocks sent by earlier chunks
         self._finished_sends: list[msg.FinishedSend] = []
         self._unreleased: set[str] = set()  # finished, blocks pinned until the workers say
@@ -85,6 +87,7 @@ class EPDKVScheduler:
         plan = StepPlan(recvs=self._recvs, finished_sends=self._finished_sends,
                             num_tokens=scheduler_output.total_num_scheduled_tokens)
         self._recvs, self._finished_sends = [], []
+        track_block_ids(self._block_ids, scheduler_output, self._sending)
         for request_id, count in scheduler_output.num_scheduled_tokens.items():
             request = self._sending.get(request_id)
             if request is None:
@@ -99,7 +102,7 @@ class EPDKVScheduler:
             self._shipped[request_id] = end_block
             plan.sends.append(msg.SendChunk(
                 request_id=request_id, transfer_id=params["transfer_id"],
-                block_ids=list(self.kv_cache_manager.get_block_ids(request_id)[0]),
+                block_ids=list(self._block_ids.get(request_id, ())),
                 start=start, end=end, prompt_len=request.num_prompt_tokens,
                 first_block=first_block, end_block=end_block, mode=params.get(MODE_KEY),
                 fault=params.get(FAULT_KEY)))
@@ -127,6 +130,7 @@ class EPDKVScheduler:
         params = request.kv_transfer_params or {}
         if self.is_producer:
             self._shipped.pop(request.request_id, None)
+            self._block_ids.pop(request.request_id, None)
             if self._sending.pop(request.request_id, None) is None:
                 return False, None
             aborted = request.status.name not in ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
@@ -143,3 +147,22 @@ class EPDKVScheduler:
         self._receiving.discard(request.request_id)
         report = self._reports.pop(request.request_id, None)
         return False, ({REPORT_KEY: report} if report else None)
+
+
+def track_block_ids(table: dict[str, list[int]], scheduler_output, wanted) -> None:
+    """Keep `table` (request id -> its block ids, first KV cache group) up to date from
+    one step's scheduler output, for the request ids in `wanted`. The same rules the
+    workers build their block tables by: a new or resumed request comes with all its
+    blocks, a running one with those added this step."""
+    for new in scheduler_output.scheduled_new_reqs:
+        if new.req_id in wanted:
+            table[new.req_id] = list(new.block_ids[0])
+    cached = scheduler_output.scheduled_cached_reqs
+    for req_id, block_ids in zip(cached.req_ids, cached.new_block_ids):
+        if req_id not in wanted:
+            continue
+        added = list(block_ids[0]) if block_ids else []
+        if req_id in cached.resumed_req_ids:
+            table[req_id] = added
+        else:
+            table.setdefault(req_id, []).extend(added)

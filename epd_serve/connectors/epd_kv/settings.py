@@ -24,7 +24,8 @@ class Settings:
     gid_index: int | None = None  # RoCE GID index of those devices (MC_GID_INDEX)
     role: str = ""  # kv_producer | kv_consumer, copied here by the HAL: vLLM asks some
     # classmethods (requires_piecewise_for_cudagraph) with the extra config alone
-    # The KV cache layout asked of vLLM 0.32+ ("auto": the attention backend's choice).
+    # The KV cache layout asked of vLLM ("auto": the attention backend's choice; before
+    # vLLM 0.32 only LBHNC and LBNHC, asked as HND and NHD: compat.py).
     # LBHNC is the one every backend that declares layouts accepts (the CPU's only one,
     # FlashInfer's on SM100; FlashAttention and FlashInfer elsewhere take any), so a
     # prefill and a decode on different backends still store blocks alike; and its

@@ -9,9 +9,11 @@ engines must use the same tensor-parallel size).
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import numpy as np
 
+from epd_serve.connectors import compat
 from epd_serve.connectors.epd_kv.events import marker
 from epd_serve.connectors.epd_kv.layout import describe_layer, layer_tensors, storage_spans
 from epd_serve.connectors.epd_kv.metadata import StepPlan, TransferReport
@@ -26,6 +28,15 @@ logger = logging.getLogger("vllm.epd_serve.kv.worker")
 CALIBRATION_BYTES = 16 << 20
 
 
+class TransferResults(NamedTuple):
+    """What a worker's transfers did since the last look, by request id."""
+
+    sending: set[str]  # prefill: finished sending, blocks free to go
+    recving: set[str]  # decode: finished receiving, failed ones included
+    failed: set[str]  # decode: receives that failed (the engine recomputes them)
+    failed_blocks: set[int]  # decode: the blocks those failed receives were to fill
+
+
 class EPDKVWorker:
     def __init__(self, vllm_config, kv_cache_config, settings: Settings):
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -36,9 +47,9 @@ class EPDKVWorker:
         self.is_producer = transfer.kv_role == "kv_producer"
         self.port = transfer.kv_port
         self.block_size = vllm_config.cache_config.block_size
-        # The physical KV layout vLLM resolved (0.32+: LBHNC, LBNHC, ...; older engines
-        # have none): named when two engines' layouts differ.
-        self.layout_name = getattr(vllm_config.cache_config, "kv_cache_layout", None) or ""
+        # The physical KV layout vLLM resolved (LBHNC, LBNHC, ...; HND or NHD before
+        # vLLM 0.32): named when two engines' layouts differ.
+        self.layout_name = compat.resolved_kv_cache_layout(vllm_config)
         self.num_blocks = kv_cache_config.num_blocks
         self.rank = get_tensor_model_parallel_rank()
         self.stats = EPDKVStats()
@@ -46,6 +57,7 @@ class EPDKVWorker:
         self.sender: Sender | None = None
         self.receiver: Receiver | None = None
         self._reports: dict[str, dict] = {}
+        self._receiving_blocks: dict[str, list[int]] = {}  # decode: request id -> blocks
 
     def register_kv_caches(self, kv_caches: dict) -> None:
         from vllm.model_executor.models.utils import extract_layer_index
@@ -89,6 +101,8 @@ class EPDKVWorker:
         if self.receiver is not None:
             for recv in plan.recvs:
                 self.receiver.reserve(recv)
+                if recv.block_ids:  # none: nothing to receive, no result to come
+                    self._receiving_blocks[recv.request_id] = recv.block_ids
 
     def layer_saved(self, layer_name: str) -> None:
         if self.sender is not None:
@@ -98,17 +112,21 @@ class EPDKVWorker:
         if self.sender is not None:
             self.sender.forward_done()
 
-    def transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
-        """(finished sending, finished receiving, failed receiving)."""
+    def transfer_results(self, finished_req_ids: set[str]) -> TransferResults:
         if self.sender is not None:
-            return self.sender.take_finished(), set(), set()
+            return TransferResults(self.sender.take_finished(), set(), set(), set())
         if self.receiver is None:
-            return set(), set(), set()
+            return TransferResults(set(), set(), set(), set())
         if finished_req_ids:
             self.receiver.abort(finished_req_ids)
         finished, failed, reports = self.receiver.take_results()
         self._reports.update(reports)
-        return set(), finished, failed
+        failed_blocks: set[int] = set()
+        for request_id in finished:
+            blocks = self._receiving_blocks.pop(request_id, [])
+            if request_id in failed:
+                failed_blocks.update(blocks)
+        return TransferResults(set(), finished, failed, failed_blocks)
 
     def take_reports(self) -> TransferReport | None:
         if not self._reports:

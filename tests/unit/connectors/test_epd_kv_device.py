@@ -14,6 +14,7 @@ import types
 import numpy as np
 import pytest
 
+from epd_serve.connectors import compat
 from epd_serve.connectors.epd_kv import events
 from epd_serve.connectors.epd_kv.connector import EPDKVConnector
 from epd_serve.connectors.epd_kv.messages import blocks_to_ship
@@ -182,20 +183,27 @@ def test_the_scheduler_ships_every_block_of_a_chunked_prompt_exactly_once():
     config = types.SimpleNamespace(cache_config=types.SimpleNamespace(block_size=BLOCK_SIZE),
                                    kv_transfer_config=types.SimpleNamespace(kv_role="kv_producer"))
     scheduler = EPDKVScheduler(config, Settings())
-    scheduler.kv_cache_manager = types.SimpleNamespace(get_block_ids=lambda r: ([5, 6, 7, 8],))
     # Prefill had the first block cached: its first chunk starts at token 4.
     request = types.SimpleNamespace(request_id="r", num_computed_tokens=4, num_prompt_tokens=15,
                                     kv_transfer_params={"do_remote_decode": True,
                                                         "transfer_id": "t"})
     scheduler.update_state_after_alloc(request, None, 0)
     shipped = []
-    for count in (3, 5, 3):  # chunks [4, 7), [7, 12), [12, 15)
-        out = types.SimpleNamespace(total_num_scheduled_tokens=count,
-                                    num_scheduled_tokens={"r": count}, preempted_req_ids=set())
+    # The blocks each chunk's step allocates, as vLLM's scheduler output gives them.
+    for count, new_blocks in ((3, [5, 6]), (5, [7]), (3, [8])):  # [4, 7), [7, 12), [12, 15)
+        first = request.num_computed_tokens == 4
+        out = types.SimpleNamespace(
+            total_num_scheduled_tokens=count, num_scheduled_tokens={"r": count},
+            preempted_req_ids=set(),
+            scheduled_new_reqs=[types.SimpleNamespace(req_id="r", block_ids=([5, 6],))]
+            if first else [],
+            scheduled_cached_reqs=types.SimpleNamespace(
+                req_ids=[] if first else ["r"], new_block_ids=[] if first else [(new_blocks,)],
+                resumed_req_ids=set()))
         (chunk,) = scheduler.build_connector_meta(out).sends
-        shipped += range(chunk.first_block, chunk.end_block)
+        shipped += chunk.block_ids[chunk.first_block:chunk.end_block]
         request.num_computed_tokens += count
-    assert shipped == [0, 1, 2, 3]
+    assert shipped == [5, 6, 7, 8]
 
 
 def test_decode_keeps_full_graphs_and_the_layout_asked_of_vllm():
@@ -208,7 +216,9 @@ def test_decode_keeps_full_graphs_and_the_layout_asked_of_vllm():
         return types.SimpleNamespace(kv_transfer_config=types.SimpleNamespace(
             kv_connector_extra_config=extra))
 
-    assert EPDKVConnector.get_required_kvcache_layout(config({})) == "LBHNC"
+    # LBHNC by default, by the name the running vLLM gives it (HND before vLLM 0.32).
+    default = "LBHNC" if compat.STRIDE_ORDER_LAYOUTS else "HND"
+    assert EPDKVConnector.get_required_kvcache_layout(config({})) == default
     assert EPDKVConnector.get_required_kvcache_layout(config({"kv_cache_layout": "auto"})) is None
     with pytest.raises(ValueError, match="kv_cache_layout must be one of"):
         Settings.from_extra_config({"kv_cache_layout": "NHD"})

@@ -69,6 +69,7 @@ def test_mc_te_filters_narrows_the_named_hcas_further():
     ("rdma", {"MC_FORCE_HCA": "1"}, [], "rdma"),
     ("rdma", {"MC_INTRANODE_NVLINK": "1"}, ["mlx5_0"], "nvlink_intra"),
     ("ascend", {}, [], "ascend"),
+    ("ascend", {"MC_FORCE_TCP": "1"}, [], "ascend"),  # NPU builds never read it
 ])
 def test_the_installed_transport_follows_the_engines_own_rule(protocol, env, hcas, transport):
     assert fabric.installed_transport(protocol, env, hcas) == transport

