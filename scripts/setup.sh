@@ -3,6 +3,9 @@
 # Idempotent: a second run only re-installs when pyproject.toml changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# No pip cache: it would keep a second copy of every wheel (several GB) on the disk that
+# also holds the environments.
+export PIP_NO_CACHE_DIR=1
 
 # Debian packages: Mooncake's transfer engine links libibverbs (even for TCP), libnuma
 # and libcurl, and the tests and the demo put Mooncake into a loopback-only network

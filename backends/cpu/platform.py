@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.util
 import math
 
-from epd_serve.backends.cpu import amx
+from epd_serve.backends.cpu import amx, idle_wait
 from epd_serve.engines.hal import InstanceLaunch, Platform, python_module_launcher
 from epd_serve.engines.kv_protocols import Connector
 
@@ -62,6 +62,9 @@ class CpuPlatform(Platform):
             # Our vLLM plugin asks for AMX tiles in every engine process: without it a
             # decode instance dies (SIGILL) in its first attention on an AMX CPU.
             amx.ENV: "1",
+            # vLLM's queue readers otherwise spin for 1 s after every read, on the cores
+            # the instance computing needs (backends/cpu/idle_wait.py).
+            idle_wait.ENV: "1",
         }
         if launch.kv_role is not None:
             env["MC_FORCE_TCP"] = "1"

@@ -1,6 +1,8 @@
-"""Every engine process of a CPU instance asks for AMX tiles before any model code
-runs (our vLLM plugin, switched on by the CPU HAL): a decode instance on an AMX CPU
-otherwise dies in its first attention. Read from the instances' own logs."""
+"""Our vLLM plugins act in every engine process of a CPU instance, switched on by the
+CPU HAL, before any model code runs: each process asks for AMX tiles (a decode
+instance on an AMX CPU otherwise dies in its first attention), and its shared-memory
+queue readers nap instead of spinning (backends/cpu/idle_wait.py). Read from the
+instances' own logs."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ import pytest
 from epd_serve.backends.cpu.amx import GRANTED, NOT_NEEDED, cpu_flags, has_amx
 
 LINE = re.compile(r"epd-serve AMX tile permission in (\S+) \(pid (\d+)\): ([^:]+): (.*)")
+NAP = re.compile(r"epd-serve queue readers nap up to (\d+) ms instead of spinning in (\S+) "
+                 r"\(pid (\d+)\)")
 
 
 @pytest.fixture(scope="module")
@@ -40,3 +44,12 @@ def test_the_decode_worker_holds_amx_permission_on_an_amx_cpu(dep):
     decode = next(l.name for l in dep.launches if l.instance.roles == "D")
     workers = [line for line in permission_lines(dep, decode) if "Worker" in line[0]]
     assert workers and all(status == GRANTED for _, _, status, _ in workers), workers
+
+
+def test_every_engine_process_of_every_instance_naps_instead_of_spinning(dep):
+    for launch in dep.launches:
+        log = (dep.work_dir / "logs" / f"{launch.name}.log").read_text(errors="replace")
+        naps = [(int(m[1]), m[2], int(m[3])) for m in NAP.finditer(log)]
+        assert len({pid for *_, pid in naps}) >= 3, (launch.name, naps)
+        assert any("Worker" in process for _, process, _ in naps), (launch.name, naps)
+        assert {ms for ms, *_ in naps} == {1}, (launch.name, naps)

@@ -1,0 +1,89 @@
+"""Engine processes that wait for work without spinning, on hosts whose cores they share.
+
+vLLM's shared-memory message queue (scheduler -> worker, worker -> engine core) keeps
+each reader spinning with `sched_yield` for `SpinCondition.busy_loop_s` (1 s) after
+every read, before it sleeps on the writer's notification socket. With every instance
+of a deployment on one small host, the idle instances' workers spin for a second after
+each request they served, on the cores the busy instance computes on: measured on E-P-D
+with 2 cores, each idle worker burned ~30% of a core for that second and a 16-token
+decode took 70-320 ms. Sleeping on the socket at once is no cure: notifications get
+lost (the queue relies on the spin while busy; idle readers re-check every 5 s), and a
+decode of 16 tokens took 75 s. So within the busy window a reader here naps on the
+socket for at most `nap` milliseconds instead of yielding in a loop: woken at once by a
+notification that arrives, and at most `nap` late for one that was lost.
+
+`vllm_plugin` is a vLLM general plugin (entry point `vllm.general_plugins`), called in
+every engine process before model code; it acts only where the HAL sets `ENV` (the CPU
+platform does; GPU and NPU hosts have cores to spare for the spin). It patches the
+wait itself, not the constructor, so a queue built before the plugin ran naps too.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import sys
+import time
+
+ENV = "EPD_SHM_NAP_MS"  # longest nap of a queue reader in its busy window, in ms
+
+log = logging.getLogger("vllm.epd_serve.idle_wait")
+
+
+def nap_ms(environ: dict[str, str] | os._Environ = os.environ) -> int | None:
+    """The nap the HAL asked for, or None where it asked for nothing; a value that is
+    not a positive whole number is refused (a typo must not silently keep the spin)."""
+    raw = environ.get(ENV)
+    if raw is None or raw == "":
+        return None
+    try:
+        ms = int(raw)
+    except ValueError:
+        raise ValueError(f"{ENV}={raw!r} is not a whole number of milliseconds") from None
+    if ms < 1:
+        raise ValueError(f"{ENV}={raw!r}: a nap is at least 1 ms")
+    return ms
+
+
+def nap_instead_of_spin(condition_cls: type, ms: int) -> bool:
+    """Make every reader of `condition_cls` (vLLM's SpinCondition) nap on its
+    notification socket, at most `ms` at a time, where it would spin. False where the
+    class is not the one this was written against (another vLLM)."""
+    original = getattr(condition_cls, "wait", None)
+    if original is None or not hasattr(condition_cls, "record_read"):
+        return False
+    original = getattr(original, "__wrapped__", original)  # patched before: patch anew
+    from zmq import NOBLOCK  # vLLM's queue runs on pyzmq
+
+    def wait(self, timeout_ms: int | None = None) -> None:
+        if not (self.is_reader and time.monotonic() <= self.last_read + self.busy_loop_s):
+            return original(self, timeout_ms)  # vLLM's idle mode (or a writer's error)
+        if self.local_notify_socket in dict(self.poller.poll(timeout=ms)):
+            self.local_notify_socket.recv(flags=NOBLOCK, copy=False)
+
+    wait.__wrapped__ = original  # type: ignore[attr-defined]
+    wait.epd_nap_ms = ms  # type: ignore[attr-defined]
+    condition_cls.wait = wait
+    return True
+
+
+def vllm_plugin() -> None:
+    """vLLM general plugin: queue readers nap instead of spinning where the HAL asked."""
+    ms = nap_ms()
+    if ms is None:
+        return
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    condition = getattr(shm_broadcast, "SpinCondition", None)
+    if condition is None or not all(hasattr(condition, a) for a in ("wait", "record_read")):
+        log.warning("epd-serve: this vLLM's shared-memory queue has no SpinCondition; its "
+                    "readers wait as vLLM decides (%s=%s not applied)", ENV, ms)
+        return
+    nap_instead_of_spin(condition, ms)
+    line = (f"epd-serve queue readers nap up to {ms} ms instead of spinning in "
+            f"{multiprocessing.current_process().name} (pid {os.getpid()})")
+    if log.hasHandlers():
+        log.info(line)
+    else:  # the API server loads plugins before vLLM has set up its logging
+        print(line, file=sys.stderr, flush=True)
