@@ -1,10 +1,19 @@
-"""Start-up time of a deployment and the latency of single requests through it.
+"""The latency of single requests through a disaggregated deployment against one
+monolithic instance, alternated in one run so that both see the same machine.
 
-Brings up a deployment file (default configs/cpu/e-p-d.yaml), then sends text and
-image requests one at a time and prints, per kind, the median end-to-end latency and
-the median time of each stage as the proxy reports it (x-epd-stages).
+Brings up each deployment in turn, A B A B ... (default E-P-D and TP1, two rounds
+each), sends text and image requests one at a time after a few unmeasured ones, and
+prints per round and kind the median end-to-end latency and the median time of each
+stage as the proxy reports it (x-epd-stages). Ends with one line:
 
-    scripts/in-netns.sh .venv/bin/python benchmarks/request_latency.py [--config ...]
+    summary: text_ratio=<x> image_ratio=<x> spread=<pct>
+
+ratio: the first deployment's median over the second's, per kind, all rounds pooled;
+spread: the largest relative difference between two rounds of the same deployment and
+kind (how far this machine lets one run wander from the next).
+
+    scripts/in-netns.sh .venv/bin/python benchmarks/request_latency.py \
+        [--configs configs/cpu/e-p-d.yaml configs/cpu/tp1.yaml] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -12,70 +21,108 @@ from __future__ import annotations
 import argparse
 import re
 import statistics
+import sys
 import time
 from collections import defaultdict
 
 import httpx
 
 from epd_serve.deployment import config
-
-from epd_serve.runtime import deploy
 from epd_serve.engines.payloads import chat_body, image_data_url, make_image
+from epd_serve.runtime import deploy
 
 STAGE_RE = re.compile(r"(\w+)=(\w+):([\d.]+)ms")
+KINDS = ("text", "image")
+UNMEASURED = 3  # requests per kind before the measured ones: first-use costs out
+
+
+def measure(path: str, overrides: dict, requests: int, max_tokens: int, seed: int
+            ) -> tuple[str, dict[str, dict[str, list[float]]]]:
+    """Bring up one deployment, time `requests` requests of each kind one at a time,
+    stop it. Returns its notation and, per kind, the samples of each part in ms."""
+    dep = deploy.load(path, **overrides)
+    start = time.monotonic()
+    launcher = deploy.bring_up(dep)  # as `epd-serve up`: healthy, then one warm-up of each kind
+    print(f"{dep.config.name} ({dep.plan.to_notation()}): up after "
+          f"{time.monotonic() - start:.0f}s", file=sys.stderr)
+    model = dep.launches[0].served_model_name
+    rows: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    try:
+        with httpx.Client(base_url=dep.proxy_url, timeout=300) as client:
+            for i in range(2 * (UNMEASURED + requests)):
+                kind = KINDS[i % 2]
+                # A new image every time: an image seen before would skip its encoder.
+                images = [image_data_url(make_image(448, 448, seed=seed + i))] \
+                    if kind == "image" else []
+                body = chat_body(model, "Describe what you see in detail.", images,
+                                 max_tokens=max_tokens)
+                t = time.perf_counter()
+                resp = client.post("/v1/chat/completions", json=body)
+                ms = (time.perf_counter() - t) * 1e3
+                resp.raise_for_status()
+                if i < 2 * UNMEASURED:
+                    continue
+                rows[kind]["total"].append(ms)
+                for stage, _inst, stage_ms in STAGE_RE.findall(
+                        resp.headers.get("x-epd-stages", "")):
+                    rows[kind][stage].append(float(stage_ms))
+    finally:
+        launcher.stop()
+    return dep.plan.to_notation(), rows
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--config", default="configs/cpu/e-p-d.yaml")
-    parser.add_argument("--requests", type=int, default=10, help="per kind")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--configs", nargs=2, metavar=("A", "B"),
+                        default=["configs/cpu/e-p-d.yaml", "configs/cpu/tp1.yaml"],
+                        help="the deployment measured and the one it is compared with")
+    parser.add_argument("--rounds", type=int, default=2, help="A B rounds (at least 2)")
+    parser.add_argument("--requests", type=int, default=10, help="measured, per kind and round")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--kv-connector", choices=["epd", "mooncake"],
-                        help="override the deployment's KV connector (P -> D hand-off)")
+                        help="override A's KV connector (P -> D hand-off)")
     parser.add_argument("--mm-store", choices=["shm", "mooncake", "file"],
-                        help="override the deployment's MM Store backend (E -> P hand-off)")
+                        help="override A's MM Store backend (E -> P hand-off)")
     args = parser.parse_args()
+    if args.rounds < 2:
+        parser.error("--rounds: at least 2, or there is no spread to report")
 
-    overrides = {}
+    overrides: dict = {}
     if args.kv_connector:
         overrides["kv_connector"] = args.kv_connector
     if args.mm_store:
-        store = config.load(args.config)[0].mm_store.model_dump()
+        store = config.load(args.configs[0])[0].mm_store.model_dump()
         overrides["mm_store"] = {**store, "backend": args.mm_store}
-    dep = deploy.load(args.config, **overrides)
-    cfg = dep.config
-    start = time.monotonic()
-    launcher = deploy.bring_up(dep)  # as `epd-serve up`: healthy, then one warm-up of each kind
-    ready = time.monotonic() - start
-    model = dep.launches[0].served_model_name
-    try:
-        rows = defaultdict(lambda: defaultdict(list))
-        with httpx.Client(base_url=dep.proxy_url, timeout=300) as client:
-            first = time.perf_counter()
-            client.post("/v1/chat/completions", json=chat_body(model, "first", max_tokens=2))
-            first_ms = (time.perf_counter() - first) * 1e3
-            for i in range(args.requests * 2):
-                kind = "image 448x448" if i % 2 else "text"
-                images = [image_data_url(make_image(448, 448, seed=500 + i))] if i % 2 else []
-                body = chat_body(model, "Describe what you see in detail.", images,
-                                 max_tokens=args.max_tokens)
-                t = time.perf_counter()
-                resp = client.post("/v1/chat/completions", json=body)
-                rows[kind]["total"].append((time.perf_counter() - t) * 1e3)
-                resp.raise_for_status()
-                for stage, _inst, ms in STAGE_RE.findall(resp.headers.get("x-epd-stages", "")):
-                    rows[kind][stage].append(float(ms))
-    finally:
-        launcher.stop()
-    store = dep.mm_store.backend if dep.mm_store else "file" if cfg.mm_store.backend == "file" else "-"
-    print(f"{cfg.name} ({dep.plan.to_notation()}, KV {dep.launches[0].kv_protocol}, "
-          f"MM Store {store}): healthy and "
-          f"warmed up after {ready:.1f}s; "
-          f"first request after that {first_ms:.0f} ms")
-    for kind, stages in rows.items():
-        parts = ", ".join(f"{k} {statistics.median(v):.0f}" for k, v in stages.items())
-        print(f"  {kind} ({args.max_tokens} output tokens), medians in ms of "
-              f"{len(stages['total'])}: {parts}")
+
+    # medians[deployment][kind] -> one median per round
+    medians: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    samples: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    names = []
+    for rnd in range(args.rounds):
+        for which, path in enumerate(args.configs):
+            name, rows = measure(path, overrides if which == 0 else {}, args.requests,
+                                 args.max_tokens, seed=1000 * (rnd + 1) + 100 * which)
+            if name not in names:
+                names.append(name)
+            for kind in KINDS:
+                stages = rows[kind]
+                medians[name][kind].append(statistics.median(stages["total"]))
+                samples[name][kind] += stages["total"]
+                parts = ", ".join(f"{k} {statistics.median(v):.0f}" for k, v in stages.items())
+                print(f"round {rnd + 1} {name:6s} {kind:5s} ({args.max_tokens} output tokens, "
+                      f"{len(stages['total'])} requests), medians in ms: {parts}", flush=True)
+
+    a, b = names
+    ratios = {kind: statistics.median(samples[a][kind]) / statistics.median(samples[b][kind])
+              for kind in KINDS}
+    spread = max((max(v) - min(v)) / min(v)
+                 for per_kind in medians.values() for v in per_kind.values())
+    for name in names:
+        print(f"{name:6s} " + "  ".join(
+            f"{kind} median {statistics.median(samples[name][kind]):.0f} ms "
+            f"(rounds: {', '.join(f'{m:.0f}' for m in medians[name][kind])})" for kind in KINDS))
+    print(f"summary: text_ratio={ratios['text']:.2f} image_ratio={ratios['image']:.2f} "
+          f"spread={spread:.0%}")
 
 
 if __name__ == "__main__":

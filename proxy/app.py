@@ -37,6 +37,7 @@ from epd_serve.proxy.pipeline import Pipeline, Request
 from epd_serve.proxy.remote_media import RemoteFetcher
 from epd_serve.proxy.routing import Router, computing_hop, down_hops, eligible, plan_stages
 from epd_serve.proxy.state import InstanceTable
+from epd_serve.proxy.timeline import TraceStore, parse_otlp, timeline_of, trace_id_of
 from epd_serve.proxy.trip import Trip
 from epd_serve.proxy.upstream import Upstream
 
@@ -44,12 +45,14 @@ log = logging.getLogger("epd_serve.proxy")
 request_log = logging.getLogger("epd_serve.proxy.requests")
 
 STAGES_HEADER = "x-epd-stages"
+TRACE_HEADER = "x-epd-trace-id"  # the request's timeline: GET /v1/traces/{this id}
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,96}$")
 PROXY = web.AppKey("proxy", object)  # the running Proxy, for tests that look inside
 GENERATE_ROUTES = ("/v1/chat/completions", "/v1/completions")
-# Engines answer /health and /metrics; instances call back /v1/metaserver; launchers
-# wait on /ready.
+# Engines answer /health and /metrics; instances call back /v1/metaserver and export
+# their spans to /v1/traces (POST; reading traces takes the key); launchers wait on /ready.
 OPEN_PATHS = {"/health", "/ready", "/metrics", "/v1/metaserver"}
+OPEN_POSTS = {"/v1/traces"}
 
 
 class Proxy:
@@ -71,6 +74,7 @@ class Proxy:
         self.admin_key = os.environ.get(config.admin_key_env) if config.admin_key_env else None
         self.fetcher = RemoteFetcher(config.limits) if config.limits.allow_remote_urls else None
         self.admission = Admission(config.limits, self.metrics)
+        self.traces = TraceStore()
         # Unique across restarts (a random prefix per process), cheap per request.
         boot = secrets.token_hex(6)
         self.request_ids = (f"epd-{boot}-{n}" for n in itertools.count())
@@ -134,7 +138,8 @@ def create_app(config: ProxyConfig) -> web.Application:
         """Every failure is an OpenAI-style error with a status; nothing escapes."""
         try:
             admin_route = request.path.startswith("/instances") and request.method != "GET"
-            if request.path not in OPEN_PATHS and not admin_route \
+            open_post = request.method == "POST" and request.path in OPEN_POSTS
+            if request.path not in OPEN_PATHS and not admin_route and not open_post \
                     and not _authorized(request, proxy.api_key):
                 raise ProxyError(401, "missing or wrong API key (Authorization: Bearer ...)",
                                  "authentication_error", reason="unauthorized")
@@ -177,6 +182,7 @@ def create_app(config: ProxyConfig) -> web.Application:
 
     async def serve(request: web.Request) -> web.StreamResponse:
         arrived = time.perf_counter()
+        received_ns = time.time_ns()
         raw = await request.read()
         try:
             body = msgspec.json.decode(raw)
@@ -193,13 +199,15 @@ def create_app(config: ProxyConfig) -> web.Application:
         req = Request(
             path=request.path, body=body, request_id=engine_id,
             image_pixels=_image_pixels(body, pixels_by_url), text_chars=_text_chars(body),
-            fault=request.headers.get("x-epd-fault"))
+            fault=request.headers.get("x-epd-fault"),
+            trace_id=trace_id_of(request.headers.get("traceparent")))
         metrics = proxy.metrics
         trip: Trip | None = None
         status = 500
         try:
             trip, result = await proxy.pipeline.run(req)
-            headers = {STAGES_HEADER: trip.header(), "x-request-id": client_id}
+            headers = {STAGES_HEADER: trip.header(), "x-request-id": client_id,
+                       TRACE_HEADER: req.trace_id}
             if not req.stream:
                 status = 200
                 _observe_transfer(metrics, trip)
@@ -219,6 +227,8 @@ def create_app(config: ProxyConfig) -> web.Application:
         finally:
             modality = "multimodal" if trip and trip.multimodal else "text"
             metrics.requests.labels(modality, str(status)).inc()
+            if trip is not None:
+                proxy.traces.add(timeline_of(trip, client_id, status, received_ns))
             request_log.info(msgspec.json.encode({
                 "request_id": client_id, "engine_request_id": engine_id,
                 "path": req.path, "status": status,
@@ -235,6 +245,38 @@ def create_app(config: ProxyConfig) -> web.Application:
         if not isinstance(body, dict):
             raise bad_request("metaserver body must be a JSON object", "malformed")
         return web.json_response(await proxy.pipeline.handoff.metaserver(body))
+
+    async def receive_spans(request: web.Request) -> web.Response:
+        """OTLP/HTTP (protobuf) trace export: the engines' spans of our requests."""
+        if request.content_type != "application/x-protobuf":
+            raise bad_request("OTLP traces are taken as application/x-protobuf "
+                              "(OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf)",
+                              "malformed", 415)
+        try:
+            spans = parse_otlp(await request.read())
+        except Exception as err:  # protobuf's DecodeError and friends
+            raise bad_request(f"not an OTLP trace export: {type(err).__name__}: {err}",
+                              "malformed") from None
+        proxy.traces.add_engine_spans(spans)
+        return web.Response(body=b"", content_type="application/x-protobuf")
+
+    async def get_trace(request: web.Request) -> web.Response:
+        key = request.match_info["id"]
+        timeline = proxy.traces.get(key)
+        if timeline is None:
+            raise ProxyError(404, f"no timeline of {key!r}: the proxy keeps the last "
+                             f"{proxy.traces.capacity} requests' (by trace or request id)",
+                             "invalid_request_error", reason="unknown_trace")
+        return web.json_response(timeline.to_dict())
+
+    async def recent_traces(request: web.Request) -> web.Response:
+        try:
+            last = int(request.query.get("last", "20"))
+        except ValueError:
+            raise bad_request("last: a whole number of requests", "malformed") from None
+        return web.json_response([
+            {k: v for k, v in t.to_dict().items() if k != "spans"}
+            for t in proxy.traces.recent(max(0, last))])
 
     async def models(request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [
@@ -321,6 +363,9 @@ def create_app(config: ProxyConfig) -> web.Application:
     for path in GENERATE_ROUTES:
         app.router.add_post(path, generate)
     app.router.add_post("/v1/metaserver", metaserver)
+    app.router.add_post("/v1/traces", receive_spans)
+    app.router.add_get("/v1/traces", recent_traces)
+    app.router.add_get("/v1/traces/{id}", get_trace)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
@@ -348,6 +393,7 @@ async def _relay(request: web.Request, response: web.StreamResponse, stream, met
             events += chunk.count(b"data: ")
             last = now
             await response.write(chunk)
+            trip.relayed_ns.append(time.time_ns())
     await response.write_eof()
     final = next((s.instance for s in reversed(trip.stages)
                   if s.stage == trip.final_hop and not s.failed), "?")

@@ -100,12 +100,14 @@ class Encoder:
     async def _batch(self, path: str, images: Images, order: list[InstanceState],
                      items: list[int], cost: float, trip: Trip) -> str:
         # One retry on another encoder: a failing image should not visit every encoder.
-        batch_trip = Trip(trip.request_id, True, RouteRequest(cost=cost))
+        batch_trip = Trip(trip.request_id, True, RouteRequest(cost=cost),
+                          trace_id=trip.trace_id)
         try:
             inst, answer = await self.upstream.post(
                 "E", path, single_token(images.encoder_body(items)), batch_trip, order[:2])
         finally:
             trip.retries += batch_trip.retries
             trip.stages += [s for s in batch_trip.stages if s.failed]
+            trip.encodes += [s for s in batch_trip.stages if not s.failed]
         images.learn(answer.get("ec_transfer_params"), items)
         return inst.name

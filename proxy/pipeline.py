@@ -63,6 +63,7 @@ class Request:
     image_pixels: list[int]  # per image_url part, in prompt order (0: unknown)
     text_chars: int
     fault: str | None = None
+    trace_id: str = ""  # W3C trace id of the request's timeline (timeline.py)
 
     @property
     def stream(self) -> bool:
@@ -120,7 +121,7 @@ class Pipeline:
         n_images, other_media = media_kinds(req.body)
         tokens = req.text_chars / CHARS_PER_TOKEN + sum(req.image_pixels) / PIXELS_PER_TOKEN
         trip = Trip(req.request_id, multimodal=bool(n_images or other_media),
-                    route=RouteRequest(cost=max(1.0, tokens)))
+                    route=RouteRequest(cost=max(1.0, tokens)), trace_id=req.trace_id)
         images = Images(req.body, self.config.model) if n_images else None
         stored = await self._stored(images)
         plan = plan_stages(n_images, stored, other_media, self.table.roster, self._down(),

@@ -96,6 +96,11 @@ class Lease:
     def __init__(self, inst: InstanceState, hop: str, cost: float):
         self.inst, self.hop, self.cost = inst, hop, cost
         self.started = time.perf_counter()
+        # The request's timeline: the hop's span id, when it was sent (wall clock, ns)
+        # and when the instance's answer began.
+        self.span_id = ""
+        self.sent_ns = time.time_ns()
+        self.first_byte_ns = 0
         self.closed = False
         inst.in_flight += 1
         inst.in_flight_cost += cost

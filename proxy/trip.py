@@ -27,6 +27,12 @@ class StageRecord:
     instance: str  # several joined by '+' (images encoded on several encoders at once)
     ms: float | None = None  # None while the stage is still streaming
     failed: bool = False  # an attempt that failed and was retried elsewhere
+    # For the request's timeline (timeline.py): the hop's span id, which its engine's
+    # spans name as their parent, and wall-clock ns of send, first byte and end.
+    span_id: str = ""
+    sent_ns: int = 0
+    first_byte_ns: int = 0
+    done_ns: int = 0
 
 
 @dataclasses.dataclass
@@ -44,6 +50,12 @@ class Trip:
     # Stages that had no healthy instance, each with the stage that did its work.
     stand_ins: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     final_hop: str | None = None  # the hop whose instance answers the client (D, PD, P)
+    trace_id: str = ""  # W3C trace id: every hop's traceparent names it
+    # Each image batch's encoder hop, for the timeline (`stages` holds one E record for
+    # all of them, timed from the first send to the last answer).
+    encodes: list[StageRecord] = dataclasses.field(default_factory=list)
+    # Wall-clock ns at which the proxy relayed each streamed chunk to the client.
+    relayed_ns: list[int] = dataclasses.field(default_factory=list)
 
     def header(self) -> str:
         """Stages in pipeline order (prefill and decode may run at the same time);

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -25,6 +26,7 @@ from epd_serve.proxy.errors import ProxyError
 from epd_serve.proxy.metrics import ProxyMetrics
 from epd_serve.proxy.routing import Router
 from epd_serve.proxy.state import InstanceState, Lease
+from epd_serve.proxy.timeline import hop_traceparent, new_span_id
 from epd_serve.proxy.trip import StageRecord, Trip
 
 log = logging.getLogger("epd_serve.proxy.upstream")
@@ -88,17 +90,16 @@ class Upstream:
         inst = lease.inst
         self.metrics.set_in_flight(inst.name, inst.in_flight)
         ms = lease.elapsed_s * 1e3
+        if error is not None and not instance_fault:
+            return
         if error is None:
             self.metrics.hop_done(lease.hop, inst.name, lease.elapsed_s)
-            if record is not None:
-                record.ms = ms
-            else:
-                trip.stages.append(StageRecord(lease.hop, inst.name, ms))
-        elif instance_fault:
-            if record is not None:
-                record.failed, record.ms = True, ms
-            else:
-                trip.stages.append(StageRecord(lease.hop, inst.name, ms, failed=True))
+        if record is None:
+            record = StageRecord(lease.hop, inst.name)
+            trip.stages.append(record)
+        record.ms, record.failed = ms, error is not None
+        record.span_id, record.sent_ns = lease.span_id, lease.sent_ns
+        record.first_byte_ns, record.done_ns = lease.first_byte_ns, time.time_ns()
 
     def _refused(self, inst: InstanceState, error: str) -> None:
         """Take an instance that refused a connection out now rather than at the next
@@ -177,14 +178,19 @@ class Upstream:
             raise ProxyError(503, f"no healthy instance runs stage {hop}", "service_unavailable",
                              reason=f"no_{hop}")
         payload = _encode(body)
-        headers = {**JSON, "X-Request-Id": trip.request_id}
         last, retries_after_5xx, reached = "", RETRIES_AFTER_5XX, False
         for index, inst in enumerate(order):
             if index:
                 self.note_retry(hop, trip)
             lease = self._take(inst, hop, trip)
+            # Each attempt is a span of the request's trace; the engine's spans name it
+            # as their parent.
+            lease.span_id = new_span_id()
+            headers = {**JSON, "X-Request-Id": trip.request_id,
+                       "traceparent": hop_traceparent(trip.trace_id, lease.span_id)}
             try:
                 resp = await self._request(inst, path, payload, headers)
+                lease.first_byte_ns = time.time_ns()
             except TRANSPORT_ERRORS as err:
                 last = f"{inst.name}: {type(err).__name__}: {err}"
                 self.release(lease, trip, last)

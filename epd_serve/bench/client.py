@@ -19,6 +19,8 @@ import aiohttp
 from epd_serve.bench.metrics import RequestRecord
 from epd_serve.bench.stages import HEADER as STAGES_HEADER
 
+TRACE_HEADER = "x-epd-trace-id"  # the proxy's id of the request's timeline
+
 # Sleep until this close to a send time, then yield to the loop until it is due:
 # epoll waits in whole milliseconds, which alone would cost up to 1 ms of lag.
 SPIN_WINDOW_S = 0.0015
@@ -33,6 +35,7 @@ async def _one(session: aiohttp.ClientSession, url: str, body: bytes, rec: Reque
         async with session.post(url, data=body,
                                 headers={"content-type": "application/json"}) as resp:
             rec.stages_header = resp.headers.get(STAGES_HEADER)
+            rec.trace_id = resp.headers.get(TRACE_HEADER)
             if resp.status != 200:
                 text = (await resp.text())[:300]
                 rec.error = f"HTTP {resp.status}: {text}"

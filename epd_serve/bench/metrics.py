@@ -35,6 +35,7 @@ class RequestRecord:
     output_tokens: int = 0
     error: str | None = None
     stages_header: str | None = None  # the proxy's x-epd-stages; None from a bare engine
+    trace_id: str | None = None  # the proxy's x-epd-trace-id: the request's timeline
 
     @property
     def stage_breakdown(self) -> stages.StageBreakdown | None:
@@ -148,6 +149,7 @@ def summarize(records: list[RequestRecord], slo: SLO, num_devices: int = 1,
         "tpot_ms": stats([r.tpot for r in ok if r.tpot is not None], 1e3),
         "itl_ms": stats([g for r in ok for g in r.itls], 1e3),
         "e2el_ms": stats([r.e2el for r in ok], 1e3),
+        "slowest_over_median": slowest_over_median(ok),
         "input_tokens": stats([r.input_tokens for r in ok]),
         "output_tokens": stats([r.output_tokens for r in ok]),
         "slo": dataclasses.asdict(slo),
@@ -167,6 +169,17 @@ def summarize(records: list[RequestRecord], slo: SLO, num_devices: int = 1,
         "effective_throughput": summary["effective_throughput"] / num_devices,
     }
     return summary
+
+
+def slowest_over_median(ok: list[RequestRecord]) -> dict[str, float | None]:
+    """The slowest request's E2EL over the median's, of all requests and per kind:
+    how far the tail strays from the typical request (1.0: none does)."""
+    def ratio(values: list[float]) -> float | None:
+        return float(max(values) / np.median(values)) if values else None
+
+    return {"all": ratio([r.e2el for r in ok]),
+            "text": ratio([r.e2el for r in ok if not r.multimodal]),
+            "multimodal": ratio([r.e2el for r in ok if r.multimodal])}
 
 
 def _reason(error: str | None) -> str:

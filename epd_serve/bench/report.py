@@ -1,6 +1,7 @@
 """Writes a load report: JSON, CSV, PNG plots like the papers' figures, one HTML page.
 Runs against the epd-serve proxy also get a per-stage breakdown (E, P, D, KV hand-off)
-from its x-epd-stages header: a table per run and stages.png.
+from its x-epd-stages header: a table per run and stages.png; and, from the requests'
+timelines, where the median request's time goes (parts.png, one waterfall per run).
 
 Runs in the bench process; matplotlib with the Agg backend (no display needed).
 """
@@ -20,6 +21,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from epd_serve.bench import timeline  # noqa: E402
 from epd_serve.bench.stages import KV_TIMINGS, STAGES  # noqa: E402
 
 SUMMARY_COLUMNS = [
@@ -188,8 +190,55 @@ def write_report(results, out_dir: Path, spec, goodputs: dict | None = None) -> 
     stages_png = out_dir / "stages.png"
     stages_png.unlink(missing_ok=True)  # a rerun into the same folder must not show stale bars
     plot_stages(results, stages_png)
+    plot_timelines(results, out_dir)
     (out_dir / "report.html").write_text(_html(results, out_dir, spec_dict, goodputs))
     return out_dir
+
+
+def _timed(results) -> list:
+    return [r for r in results if (r.summary.get("timelines") or {}).get("median_parts")]
+
+
+def plot_timelines(results, out_dir: Path) -> None:
+    """parts.png (each run's median parts) and one waterfall of each run's median
+    request, for runs whose requests went through our proxy; stale ones removed."""
+    for old in out_dir.glob("timeline_*.png"):
+        old.unlink()
+    (out_dir / "parts.png").unlink(missing_ok=True)
+    timed = _timed(results)
+    if not timed:
+        return
+    timeline.plot_parts([(_run_name(r), r.summary["timelines"]["median_parts"])
+                         for r in timed], out_dir / "parts.png")
+    for i, r in enumerate(timed):
+        timeline.plot(r.summary["timelines"]["median_request"], out_dir / f"timeline_{i}.png")
+
+
+def timeline_section(results, out_dir: Path) -> str:
+    """Where the median request's time goes, from the requests' timelines."""
+    timed = _timed(results)
+    if not timed:
+        return ""
+    names = sorted({k for r in timed for k in r.summary["timelines"]["median_parts"]},
+                   key=lambda k: ("EPDt".find(k[0]), k))
+    head = "<th>part (ms, median)</th>" + "".join(
+        f"<th>{html.escape(_run_name(r))}</th>" for r in timed)
+    rows = "".join(
+        f"<tr><td>{html.escape(n)}</td>" + "".join(
+            f"<td>{_fmt(r.summary['timelines']['median_parts'].get(n))}</td>" for r in timed)
+        + "</tr>" for n in names)
+    counts = "; ".join(
+        f"{_run_name(r)}: {t['found']} of {t['requests']} timelines read, "
+        f"{t['with_engine_spans']} with engine spans"
+        for r in timed for t in [r.summary["timelines"]])
+    waterfalls = "".join(
+        f"<h3>median request of {html.escape(_run_name(r))} req/s</h3>"
+        f"{_img(out_dir / f'timeline_{i}.png')}" for i, r in enumerate(timed))
+    return ("<h2>Where the median request's time goes (request timelines)</h2>"
+            "<p>Each hop as the proxy timed it; inside it the engine's own phases (vLLM's "
+            "request span) and what the engine did not account for (HTTP, the API "
+            f"server, the answer's way back). {html.escape(counts)}.</p>"
+            f"<table><tr>{head}</tr>{rows}</table>{_img(out_dir / 'parts.png')}{waterfalls}")
 
 
 def _img(path: Path) -> str:
@@ -266,6 +315,7 @@ SLO TTFT &lt; {spec['slo']['ttft_ms']} ms and 90% of token gaps &lt; {spec['slo'
 <h2>Against request rate</h2>{_img(out_dir / "vs_rate.png")}
 <h2>TTFT and TPOT per request</h2>{_img(out_dir / "ttft_tpot.png")}
 {breakdown}
+{timeline_section(results, out_dir)}
 <p>Raw data: results.json, summary.csv, requests.csv.</p>
 </body></html>
 """

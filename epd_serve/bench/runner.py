@@ -12,7 +12,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from epd_serve.bench import arrivals, client, workloads
+from epd_serve.bench import arrivals, client, timeline, workloads
 from epd_serve.bench.metrics import SLO, RequestRecord, summarize
 from epd_serve.bench.search import largest_passing
 
@@ -86,6 +86,8 @@ def run_once(spec: LoadSpec, rate: float | None, bodies: Bodies, label: str = ""
     summary = summarize(records, spec.slo, spec.num_devices, rate)
     summary.update({"label": label, "rate": rate, "process": spec.process,
                     "workload": spec.workload})
+    # Through our proxy: where the time of the run's requests went, from their timelines.
+    summary["timelines"] = timeline.collect(spec.url, [r for r in records if r.ok])
     console.print(_one_line(label, rate, summary))
     return RunResult(label, rate, summary, records)
 
@@ -96,7 +98,18 @@ def _one_line(label: str, rate: float | None, s: dict) -> str:
     return (f"{label or 'run'} @ {rate} req/s: {s['success_requests']}/{s['total_requests']} ok, "
             f"TTFT p50 {fmt(ttft)} ms, TPOT p50 {fmt(tpot)} ms, "
             f"SLO attainment {s['slo_attainment']:.0%}, "
-            f"{s['output_token_throughput']:.1f} out tok/s{_stage_line(s.get('stage_breakdown'))}")
+            f"{s['output_token_throughput']:.1f} out tok/s{_tail(s)}"
+            f"{_stage_line(s.get('stage_breakdown'))}")
+
+
+def _tail(s: dict) -> str:
+    """`; slowest request 1.4x the median E2EL (text 1.2x, multimodal 1.3x)`."""
+    tail = s.get("slowest_over_median") or {}
+    if tail.get("all") is None:
+        return ""
+    kinds = ", ".join(f"{kind} {tail[kind]:.2f}x" for kind in ("text", "multimodal")
+                      if tail.get(kind) is not None)
+    return f"; slowest request {tail['all']:.2f}x the median E2EL ({kinds})"
 
 
 def _stage_line(breakdown: dict | None) -> str:

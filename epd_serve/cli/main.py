@@ -228,6 +228,29 @@ def cmd_status(args) -> int:
     return 0
 
 
+def cmd_trace(args) -> int:
+    import httpx
+    from rich.console import Console
+
+    from epd_serve.bench import timeline
+
+    url, api_key = _status_target(args)
+    try:
+        found = timeline.fetch(url, args.id, api_key)
+    except timeline.TraceNotFound as err:
+        return _fail(str(err))
+    except httpx.HTTPError as err:
+        return _fail(f"cannot read the timeline from {url}: {type(err).__name__}: {err}")
+    if args.json:
+        print(json.dumps(found, indent=2))
+        return 0
+    console = Console()
+    console.print(timeline.render(found, console.width if console.is_terminal else PIPED_WIDTH))
+    if args.png:
+        print(f"waterfall: {timeline.plot(found, Path(args.png))}")
+    return 0
+
+
 def cmd_check_flags(args) -> int:
     from epd_serve.runtime import flagcheck
     if args.configs:
@@ -328,6 +351,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="refresh every SECONDS until Ctrl-C")
     p.add_argument("--json", action="store_true", help="print the proxy's raw JSON")
     p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("trace", help="one request's timeline across the proxy and the "
+                       "instances, as a waterfall")
+    p.add_argument("id", nargs="?", default="last",
+                   help="the request's id (x-request-id), or its trace id (x-epd-trace-id); "
+                   "default: the last request the proxy served")
+    p.add_argument("--config", help="deployment file; its proxy is asked")
+    p.add_argument("--url", help=f"proxy base URL instead of a file (default {DEFAULT_PROXY_URL})")
+    p.add_argument("--png", metavar="FILE", help="also draw the waterfall into FILE")
+    p.add_argument("--json", action="store_true", help="print the timeline's raw JSON")
+    p.set_defaults(func=cmd_trace)
 
     p = sub.add_parser("doctor", help="check this machine (and a deployment file) for what "
                        "would stop a deployment, with the fix for each problem")

@@ -123,6 +123,10 @@ class Deployment(BaseModel):
         default_factory=dict, description="Extra engine flags for instances running a stage."
     )
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment for every instance.")
+    engine_traces: bool = Field(
+        True, description="Engines export each request's spans (OTLP/HTTP) to the proxy, "
+        "which files them under the request's timeline (`epd-serve trace`, the load "
+        "tool's per-stage breakdown).")
     fault_injection: bool = Field(
         False, description="Tests only: the proxy honours the request header "
         "'x-epd-fault: drop-features' (deletes the request's features from the MM Store "

@@ -84,6 +84,8 @@ def resolve(config: Deployment, root: Path) -> ResolvedDeployment:
                 extra_args=tuple(_flag_args(args)),
                 extra_env=tuple(sorted(config.env.items())),
                 engine_python=engine_python,
+                traces_endpoint=(f"http://{proxy_host_of(config)}:{config.proxy_port}"
+                                 "/v1/traces" if config.engine_traces else None),
             )
         )
     if store is not None and store.backend == "shm" and config.cluster is not None:

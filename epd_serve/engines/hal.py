@@ -59,6 +59,9 @@ class InstanceLaunch:
     # The interpreter of the engine's own environment (another vLLM release than the one
     # beside epd-serve); None: the interpreter running epd-serve.
     engine_python: str | None = None
+    # Where the engine exports its request spans (OTLP/HTTP): the proxy's /v1/traces,
+    # which files them under the request's timeline; None: no export.
+    traces_endpoint: str | None = None
 
     @property
     def name(self) -> str:
@@ -232,6 +235,8 @@ class Platform(ABC):
             cmd += ["--ec-transfer-config", json.dumps(ec, separators=(",", ":"))]
         if (kv := self.kv_transfer_config(launch)) is not None:
             cmd += ["--kv-transfer-config", json.dumps(kv, separators=(",", ":"))]
+        if launch.traces_endpoint:
+            cmd += ["--otlp-traces-endpoint", launch.traces_endpoint]
         cmd += list(launch.extra_args)
         return cmd
 
@@ -243,6 +248,13 @@ class Platform(ABC):
             env[self.device_visibility_env] = ",".join(str(d) for d in launch.devices)
         if launch.kv_role is not None:
             env.update(get_protocol(launch.kv_protocol).environment(launch))
+        if launch.traces_endpoint:
+            env.update({
+                "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
+                "OTEL_SERVICE_NAME": launch.name,  # the spans' source in the timeline
+                # Spans leave in batches: within 0.2 s of a request's end, not 5 s.
+                "OTEL_BSP_SCHEDULE_DELAY": "200",
+            })
         env.update(self.platform_env(launch))
         env.update(dict(launch.extra_env))
         return env

@@ -91,7 +91,8 @@ def create_fake_app(name: str = "fake", ttft_ms: float = 0.0, itl_ms: float = 0.
         request_id = request.headers.get("x-request-id")
         if record:
             app.state.requests.append({"path": request.url.path, "body": body,
-                                       "request_id": request_id})
+                                       "request_id": request_id,
+                                       "traceparent": request.headers.get("traceparent")})
         if app.state.fail_status:
             return JSONResponse({"error": {"message": f"{name} is failing on purpose"}},
                                 status_code=app.state.fail_status)
