@@ -4,7 +4,9 @@ stage budgets (Algorithm 1) probe by probe, and write a profile file.
 The engine must run every stage (a monolithic instance: TP1, or an EPD member of a
 deployment): prefill is timed with prompts of exact token ids and one output token,
 the encoder with concurrent single-image requests (minus the prefill of their
-tokens), decode with concurrent streams whose token gaps are one iteration each.
+tokens), decode with concurrent chat streams (the endpoint the load tool and clients
+use: its per-token streaming costs the API server more than a bare completion's, and
+on a small CPU host that is a large part of a token's time).
 Every probe uses fresh token ids and fresh images so that neither the prefix cache nor
 the multimodal cache answers for the engine. Probes go through the deployment's proxy,
 as clients' requests do.
@@ -65,20 +67,29 @@ class Prober:
                     times.append(time.monotonic())
         return times
 
-    async def _first_token(self, client: httpx.AsyncClient, body: dict) -> float:
-        """Streams a chat request; returns when its first token arrived (monotonic s)."""
+    async def _chat_tokens(self, client: httpx.AsyncClient, body: dict) -> list[float]:
+        """Streams a chat request; returns the arrival time of every content chunk
+        (monotonic s)."""
+        times = []
         async with client.stream("POST", f"{self.url}/v1/chat/completions",
                                  json={**body, "stream": True}) as resp:
             if resp.status_code != 200:
                 raise RuntimeError(f"{self.url} answered {resp.status_code}: "
                                    f"{(await resp.aread())[:200]!r}")
-            first = None
             async for line in resp.aiter_lines():
-                if first is None and line.startswith("data:") and '"content"' in line:
-                    first = time.monotonic()
-        if first is None:
+                if line.startswith("data:") and '"content"' in line:
+                    times.append(time.monotonic())
+        if not times:
             raise RuntimeError(f"{self.url} streamed no token")
-        return first
+        return times
+
+    async def _first_token(self, client: httpx.AsyncClient, body: dict) -> float:
+        """Streams a chat request; returns when its first token arrived (monotonic s)."""
+        return (await self._chat_tokens(client, body))[0]
+
+    def _words(self, n: int) -> str:
+        """A fresh text prompt of about `n` tokens (no prefix cache answers it)."""
+        return " ".join(f"w{i}" for i in self._rng.integers(0, 10_000, size=n))
 
     def _run(self, coro_factory) -> list:
         async def main():
@@ -102,11 +113,12 @@ class Prober:
         return ms
 
     def decode_ms(self, seqs: int, steps: int = 49) -> float:
-        """`seqs` concurrent streams of 16-token prompts: time per output token after
+        """`seqs` concurrent chat streams of short prompts: time per output token after
         the first ((last - first) / (tokens - 1), the load tool's TPOT), median over
         streams. By tokens, not chunk gaps: a server may flush several in one write."""
         async def batch(client):
-            streams = [self._completion(client, self.url, self._ids(16), steps) for _ in range(seqs)]
+            streams = [self._chat_tokens(client, chat_body(
+                self.model, self._words(8), max_tokens=steps)) for _ in range(seqs)]
             return await asyncio.gather(*streams)
         per_token = []
         for _ in range(self.repeats + 2):  # decode gaps are the noisiest probe on a busy host
