@@ -68,9 +68,6 @@ class Span:
     attrs: dict[str, Any] = dataclasses.field(default_factory=dict)
     events: list[tuple[str, int]] = dataclasses.field(default_factory=list)
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
 
 @dataclasses.dataclass
 class Timeline:

@@ -52,11 +52,13 @@ def source_modules() -> list[str]:
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     # Build from a copy: setuptools reuses the build/ folder of earlier builds, whose
-    # files would hide a package missing from pyproject.toml.
+    # files would hide a package missing from pyproject.toml. No environment is copied
+    # (.venv-vllm023 alone came to 12 GB: its lib64 link is followed).
     tmp = tmp_path_factory.mktemp("wheel")
     source = tmp / "src"
-    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(
-        ".git", ".venv", ".epd", "build", "results", "*.egg-info", "__pycache__"))
+    shutil.copytree(REPO, source, symlinks=True, ignore=shutil.ignore_patterns(
+        ".git", ".venv*", ".epd", "build", "results", "*.egg-info", "__pycache__",
+        ".*_cache"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
                     "-q", "-w", str(tmp), str(source)], check=True, capture_output=True)
     (built,) = tmp.glob("epd_serve-*.whl")
