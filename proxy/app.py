@@ -314,6 +314,7 @@ def create_app(config: ProxyConfig) -> web.Application:
         return web.json_response({"status": "ready"})
 
     async def status(request: web.Request) -> web.Response:
+        await proxy.membership.refresh_engine_loads()
         return web.json_response({
             "model": config.model,
             "policies": {hop: p.name for hop, p in proxy.router.policies.items()},

@@ -83,7 +83,9 @@ class RoutingSettings(BaseModel):
         "(FALLBACK=P>D); with every decode (D) instance down, a prefill instance decodes "
         "it (FALLBACK=D>P). 'refuse' answers 503 until the stage is back.")
     metrics_interval_s: float = Field(1.0, gt=0, description="How often each engine's own "
-                                      "/metrics (running, waiting, KV use) is read.")
+                                      "/metrics (running, waiting, KV use) is read, of "
+                                      "instances routing chooses among (a stage's only "
+                                      "instance is read when /status asks).")
 
     @field_validator("E", "P", "D")
     @classmethod

@@ -23,7 +23,7 @@ import aiohttp
 
 from epd_serve.proxy.config import InstanceEntry, ProxyConfig
 from epd_serve.proxy.metrics import ProxyMetrics
-from epd_serve.proxy.state import EngineLoad, InstanceState, InstanceTable
+from epd_serve.proxy.state import HOPS, EngineLoad, InstanceState, InstanceTable, serves
 
 log = logging.getLogger("epd_serve.proxy.membership")
 
@@ -169,9 +169,28 @@ class Membership:
         inst.healthy = healthy
         self.metrics.healthy.labels(inst.name).set(int(healthy))
 
+    def has_rivals(self, inst: InstanceState) -> bool:
+        """Whether routing chooses between this instance and another for a hop it
+        serves: only then do the engine's own numbers steer a request."""
+        hops = [hop for hop in HOPS if serves(inst, hop)]
+        return any(other is not inst and other.healthy and not other.draining
+                   and serves(other, hop) for hop in hops for other in self.table.instances)
+
     async def read_engine_load(self, inst: InstanceState) -> None:
-        if not inst.healthy:
-            return
+        """The periodic read, of instances routing chooses among. A stage's only
+        instance is not read: vLLM renders its /metrics page (~54 KB, ~3.5 ms of the
+        API server's CPU) on the cores the deployment computes on, and on one CPU host
+        those reads made E-P-D's median text request 9 ms slower (83 -> 74 ms without
+        them). /status reads what it shows on demand (refresh_engine_loads)."""
+        if inst.healthy and self.has_rivals(inst):
+            await self._read_metrics(inst)
+
+    async def refresh_engine_loads(self) -> None:
+        """Read now the healthy instances whose numbers are missing or stale."""
+        await asyncio.gather(*(self._read_metrics(i) for i in self.table.instances
+                               if i.healthy and i.engine_load() is None))
+
+    async def _read_metrics(self, inst: InstanceState) -> None:
         try:
             async with self.session.get(inst.entry.url + "/metrics",
                                         timeout=aiohttp.ClientTimeout(total=2.0)) as resp:

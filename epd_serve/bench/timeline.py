@@ -18,6 +18,8 @@ from pathlib import Path
 import httpx
 
 PHASES = ("preprocess", "queue", "prefill", "decode")
+# What of the KV hand-off's report (on the decode hop) a waterfall row shows.
+KV_NOTE = ("outcome", "bytes", "groups", "transfer_ms", "exposed_ms")
 # Engines export their spans in batches every 200 ms (OTEL_BSP_SCHEDULE_DELAY, set by
 # the HAL): the last requests' spans are in the proxy this long after they ended.
 SPANS_SETTLE_S = 0.6
@@ -117,9 +119,9 @@ def rows(timeline: dict) -> list[Row]:
         attrs = span.get("attrs", {})
         first = next((ns for name, ns in span.get("events", []) if name == "first byte"), None)
         note = f"first byte at {at(first):.1f} ms" if first else ""
-        kv = {k[3:]: v for k, v in attrs.items() if k.startswith("kv.")}
+        kv = {k[3:]: v for k, v in attrs.items() if k.startswith("kv.") and k[3:] in KV_NOTE}
         if kv:
-            note += (" " if note else "") + "KV " + " ".join(f"{k}={v}" for k, v in kv.items())
+            note += ("; " if note else "") + "KV " + " ".join(f"{k}={v}" for k, v in kv.items())
         failed = " (failed)" if attrs.get("failed") else ""
         out.append(Row(f"{span['name']} -> {attrs.get('instance', '?')}{failed}", 1,
                        at(span["start_ns"]), at(span["end_ns"]), note))

@@ -40,10 +40,12 @@ def create_fake_app(name: str = "fake", ttft_ms: float = 0.0, itl_ms: float = 0.
     app.state.hold = False  # answer nothing until a test sets it back (a busy engine)
     app.state.active = 0  # requests being answered, reported on /metrics like vLLM's
     app.state.reported_load = None  # (running, waiting, kv_usage) to report instead
+    app.state.metrics_reads = 0  # how often /metrics was read
     app.state.cancelled = []  # request ids whose client went away before the answer
 
     @app.get("/metrics")
     async def metrics():
+        app.state.metrics_reads += 1
         running, waiting, kv = app.state.reported_load or (app.state.active, 0, 0.0)
         text = (f'vllm:num_requests_running{{model_name="{name}"}} {running}\n'
                 f'vllm:num_requests_waiting{{model_name="{name}"}} {waiting}\n'

@@ -299,6 +299,23 @@ def test_least_loaded_avoids_the_instance_whose_engine_reports_a_queue():
         assert len(d.seen("d1")) == 0 and len(d.seen("d2")) == 5
 
 
+def test_only_instances_routing_chooses_among_have_their_engine_load_read():
+    # One P, two D: the periodic read goes to the decoders only; /status reads the
+    # prefill's numbers when it has none, so the table still shows them.
+    with deployment(["P", "D", "D"], routing={"metrics_interval_s": 0.02}) as d:
+        before = d.apps["p0"].state.metrics_reads  # the helper's /status calls
+        start = {n: d.apps[n].state.metrics_reads for n in ("d1", "d2")}
+        wait_for(lambda: all(d.apps[n].state.metrics_reads >= start[n] + 5
+                             for n in ("d1", "d2")), "decoders' engine load read")
+        assert d.apps["p0"].state.metrics_reads == before
+        d.apps["p0"].state.reported_load = (1, 2, 0.5)
+        prefill = next(i for i in d.proxy.proxy.table.instances if i.name == "p0")
+        d.proxy.call(setattr, prefill, "engine", None)  # nothing known: /status reads it
+        rows = {i["name"]: i for i in d.client.get("/status").json()["instances"]}
+        assert rows["p0"]["engine"] == {"running": 1, "waiting": 2, "kv_cache_usage": 0.5}
+        assert d.apps["p0"].state.metrics_reads == before + 1
+
+
 def test_streaming_relays_every_chunk():
     with deployment(["E", "P", "D"]) as d:
         body = chat_body("fake", "look", [IMAGE], max_tokens=6, stream=True)
