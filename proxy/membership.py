@@ -199,4 +199,4 @@ class Membership:
                 text = await resp.text()
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
             return  # the probe decides health; stale numbers expire on their own
-        inst.engine = parse_engine_metrics(text)
+        inst.read_engine(parse_engine_metrics(text))

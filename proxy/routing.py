@@ -115,20 +115,19 @@ def load(inst: InstanceState) -> float:
     """Requests on the instance: what we sent it, or what the engine says it holds if
     more (other proxies, or requests we already gave up on), with KV use breaking ties
     (a nearly full KV cache is about to queue)."""
-    engine = inst.engine_load()
-    queued = inst.in_flight if engine is None else max(inst.in_flight,
-                                                       engine.running + engine.waiting)
+    engine, engine_queue = inst.engine_load(), inst.engine_queue()
+    queued = inst.in_flight if engine_queue is None else max(inst.in_flight, engine_queue)
     return queued + (engine.kv_cache_usage if engine else 0.0)
 
 
 def weighted_load(inst: InstanceState) -> float:
     """The size of the work in flight on the instance; requests the engine reports
     beyond ours count at the mean size of ours."""
-    engine = inst.engine_load()
+    engine_queue = inst.engine_queue()
     cost = inst.in_flight_cost
-    if engine is not None and engine.running + engine.waiting > inst.in_flight:
+    if engine_queue is not None and engine_queue > inst.in_flight:
         mean = cost / inst.in_flight if inst.in_flight else 1.0
-        cost += (engine.running + engine.waiting - inst.in_flight) * mean
+        cost += (engine_queue - inst.in_flight) * mean
     return cost
 
 

@@ -45,6 +45,9 @@ class InstanceState:
     last_error: str | None = None
     incarnation: int = 0  # +1 each time it comes back after being down (restarted)
     engine: EngineLoad | None = None
+    # Our hops on it that ended since `engine` was read: the engine counted them as
+    # running or waiting then, and they are gone now.
+    ended_since_read: int = 0
 
     @property
     def name(self) -> str:
@@ -54,6 +57,18 @@ class InstanceState:
         if self.engine is None or time.monotonic() - self.engine.read_at > ENGINE_LOAD_TTL_S:
             return None
         return self.engine
+
+    def read_engine(self, load: EngineLoad) -> None:
+        self.engine, self.ended_since_read = load, 0
+
+    def engine_queue(self) -> float | None:
+        """Requests the engine holds by its last numbers, less ours that ended since
+        they were read (else a request that just finished keeps an idle instance looking
+        busy until the next read); None without trusted numbers."""
+        engine = self.engine_load()
+        if engine is None:
+            return None
+        return max(0.0, engine.running + engine.waiting - self.ended_since_read)
 
     def refused(self, error: str) -> bool:
         """A connection to it was refused: nothing listens (its process is gone), so it
@@ -119,6 +134,7 @@ class Lease:
         inst = self.inst
         inst.in_flight -= 1
         inst.in_flight_cost -= self.cost
+        inst.ended_since_read += 1
         if error is None:
             inst.served += 1
         elif instance_fault:

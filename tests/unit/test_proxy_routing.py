@@ -119,6 +119,23 @@ def test_least_loaded_counts_in_flight_hops_and_the_engines_own_queue():
     assert [i.in_flight for i in t.instances] == [0, 0, 0]
 
 
+def test_an_engines_count_read_before_our_hop_ended_does_not_keep_it_looking_busy():
+    # d0 was read while serving our hop; the hop has ended since: d0 is idle again and
+    # takes its turn, while a queue the engine reports beyond ours still counts.
+    t = table("d0:D", "d1:D")
+    r = router(t)
+    lease = t.get("d0").lease("D")
+    t.get("d0").read_engine(EngineLoad(running=1, waiting=0, kv_cache_usage=0.0,
+                                       read_at=time.monotonic()))
+    assert names(r.choose("D"))[0] == "d1"
+    lease.close()
+    assert sorted(names(r.choose("D"))[0] for _ in range(2)) == ["d0", "d1"]
+    t.get("d0").read_engine(EngineLoad(running=3, waiting=0, kv_cache_usage=0.0,
+                                       read_at=time.monotonic()))
+    t.get("d0").lease("D").close()
+    assert [names(r.choose("D"))[0] for _ in range(2)] == ["d1", "d1"]  # 2 still queued
+
+
 def test_least_loaded_breaks_ties_in_turn():
     t = table("d0:D", "d1:D")
     r = router(t)
