@@ -23,6 +23,7 @@ import aiohttp
 
 from epd_serve.proxy.config import InstanceEntry, ProxyConfig
 from epd_serve.proxy.metrics import ProxyMetrics
+from epd_serve.proxy.routing import eligible
 from epd_serve.proxy.state import HOPS, EngineLoad, InstanceState, InstanceTable, serves
 
 log = logging.getLogger("epd_serve.proxy.membership")
@@ -172,9 +173,8 @@ class Membership:
     def has_rivals(self, inst: InstanceState) -> bool:
         """Whether routing chooses between this instance and another for a hop it
         serves: only then do the engine's own numbers steer a request."""
-        hops = [hop for hop in HOPS if serves(inst, hop)]
-        return any(other is not inst and other.healthy and not other.draining
-                   and serves(other, hop) for hop in hops for other in self.table.instances)
+        return any(eligible(self.table.instances, hop, exclude=[inst])
+                   for hop in HOPS if serves(inst, hop))
 
     async def read_engine_load(self, inst: InstanceState) -> None:
         """The periodic read, of instances routing chooses among. A stage's only

@@ -76,11 +76,10 @@ def vllm_plugin() -> None:
     from vllm.distributed.device_communicators import shm_broadcast
 
     condition = getattr(shm_broadcast, "SpinCondition", None)
-    if condition is None or not all(hasattr(condition, a) for a in ("wait", "record_read")):
+    if condition is None or not nap_instead_of_spin(condition, ms):
         log.warning("epd-serve: this vLLM's shared-memory queue has no SpinCondition; its "
                     "readers wait as vLLM decides (%s=%s not applied)", ENV, ms)
         return
-    nap_instead_of_spin(condition, ms)
     line = (f"epd-serve queue readers nap up to {ms} ms instead of spinning in "
             f"{multiprocessing.current_process().name} (pid {os.getpid()})")
     if log.hasHandlers():

@@ -99,9 +99,7 @@ def rows(timeline: dict) -> list[Row]:
         return (ns - t0) / 1e6
 
     spans = timeline["spans"]
-    children: dict[str, list[dict]] = {}
-    for span in spans:
-        children.setdefault(span.get("parent_id") or "", []).append(span)
+    children = _children(spans)
     out = []
     for span in spans:
         if span["source"] != "proxy":
@@ -136,6 +134,14 @@ def rows(timeline: dict) -> list[Row]:
     return out
 
 
+def _children(spans: list[dict]) -> dict[str, list[dict]]:
+    """Spans by their parent's span id ("" for none)."""
+    children: dict[str, list[dict]] = {}
+    for span in spans:
+        children.setdefault(span.get("parent_id") or "", []).append(span)
+    return children
+
+
 def _engine_note(attrs: dict) -> str:
     prompt = attrs.get("gen_ai.usage.prompt_tokens")
     done = attrs.get("gen_ai.usage.completion_tokens")
@@ -148,9 +154,7 @@ def stage_parts(timeline: dict) -> dict[str, float]:
     the engine did not account for ("P outside engine": HTTP, the API server's own
     work, the answer's way back). "total" is the request as the proxy served it."""
     parts: dict[str, float] = {}
-    by_parent: dict[str, list[dict]] = {}
-    for span in timeline["spans"]:
-        by_parent.setdefault(span.get("parent_id") or "", []).append(span)
+    by_parent = _children(timeline["spans"])
     for span in timeline["spans"]:
         if span["source"] != "proxy":
             continue
