@@ -115,9 +115,9 @@ def load(inst: InstanceState) -> float:
     """Requests on the instance: what we sent it, or what the engine says it holds if
     more (other proxies, or requests we already gave up on), with KV use breaking ties
     (a nearly full KV cache is about to queue)."""
-    engine, engine_queue = inst.engine_load(), inst.engine_queue()
+    engine_queue = inst.engine_queue()
     queued = inst.in_flight if engine_queue is None else max(inst.in_flight, engine_queue)
-    return queued + (engine.kv_cache_usage if engine else 0.0)
+    return queued + inst.engine_kv_usage()
 
 
 def weighted_load(inst: InstanceState) -> float:

@@ -70,6 +70,20 @@ class InstanceState:
             return None
         return max(0.0, engine.running + engine.waiting - self.ended_since_read)
 
+    def engine_kv_usage(self) -> float:
+        """The engine's KV cache use by its last numbers, less the share of the requests
+        counted then that have ended since: vLLM frees a finished request's blocks, so a
+        read taken while our hop ran would otherwise keep the instance looking fuller
+        than an idle rival (seen on vLLM 0.23: a decoder read mid-request lost every tie
+        until the next read)."""
+        engine = self.engine_load()
+        if engine is None:
+            return 0.0
+        held = engine.running + engine.waiting
+        if held <= 0:
+            return engine.kv_cache_usage
+        return engine.kv_cache_usage * self.engine_queue() / held
+
     def refused(self, error: str) -> bool:
         """A connection to it was refused: nothing listens (its process is gone), so it
         is out at once, as a probe would decide, until it answers a probe again.

@@ -125,10 +125,11 @@ def test_an_engines_count_read_before_our_hop_ended_does_not_keep_it_looking_bus
     t = table("d0:D", "d1:D")
     r = router(t)
     lease = t.get("d0").lease("D")
-    t.get("d0").read_engine(EngineLoad(running=1, waiting=0, kv_cache_usage=0.0,
+    t.get("d0").read_engine(EngineLoad(running=0, waiting=1, kv_cache_usage=0.0002,
                                        read_at=time.monotonic()))
     assert names(r.choose("D"))[0] == "d1"
     lease.close()
+    # Neither its count nor the KV blocks that hop held keep it out of its turn.
     assert sorted(names(r.choose("D"))[0] for _ in range(2)) == ["d0", "d1"]
     t.get("d0").read_engine(EngineLoad(running=3, waiting=0, kv_cache_usage=0.0,
                                        read_at=time.monotonic()))
