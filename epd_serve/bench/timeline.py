@@ -3,9 +3,10 @@ waterfall of rows, as a terminal view and a PNG, and as the per-stage parts the 
 tool's report aggregates over many requests.
 
 A row is one span, placed relative to the moment the proxy received the request:
-the request itself, each hop the proxy sent (E, P, D, PD), under a hop the span its
-engine exported, and under that the engine's phases (preprocess, queue, prefill,
-decode). Pure functions over the JSON, but for `fetch` and the PNG.
+the request itself, each hop the proxy sent (E, P, D, PD), under a hop the spans its
+engine exported (vLLM's request span, our connectors' spans such as the KV arriving),
+and under vLLM's span the engine's phases (preprocess, queue, prefill, decode). Pure
+functions over the JSON, but for `fetch` and the PNG.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 import httpx
 
 PHASES = ("preprocess", "queue", "prefill", "decode")
+ENGINE_SPAN = "llm_request"  # vLLM's span of a request (the others are our connectors')
 # What of the KV hand-off's report (on the decode hop) a waterfall row shows.
 KV_NOTE = ("outcome", "bytes", "groups", "transfer_ms", "exposed_ms")
 # Engines export their spans in batches every 200 ms (OTEL_BSP_SCHEDULE_DELAY, set by
@@ -145,7 +147,11 @@ def _children(spans: list[dict]) -> dict[str, list[dict]]:
 def _engine_note(attrs: dict) -> str:
     prompt = attrs.get("gen_ai.usage.prompt_tokens")
     done = attrs.get("gen_ai.usage.completion_tokens")
-    return f"{prompt} prompt, {done} generated tokens" if prompt is not None else ""
+    if prompt is not None:
+        return f"{prompt} prompt, {done} generated tokens"
+    if "epd.kv.outcome" in attrs:  # the KV connector's receive span
+        return " ".join(f"{k}={attrs[f'epd.kv.{k}']}" for k in KV_NOTE if f"epd.kv.{k}" in attrs)
+    return ""
 
 
 def stage_parts(timeline: dict) -> dict[str, float]:
@@ -166,12 +172,13 @@ def stage_parts(timeline: dict) -> dict[str, float]:
             continue
         stage = span["name"].removesuffix(" hop")
         parts[f"{stage} hop"] = parts.get(f"{stage} hop", 0.0) + ms
-        engines = [e for e in by_parent.get(span.get("span_id") or "-", [])
-                   if e["name"] not in PHASES]
-        for engine in engines:
-            engine_ms = (engine["end_ns"] - engine["start_ns"]) / 1e6
-            parts[f"{stage} outside engine"] = max(0.0, ms - engine_ms)
-            for phase in by_parent.get(engine.get("span_id") or "-", []):
+        for child in by_parent.get(span.get("span_id") or "-", []):
+            child_ms = (child["end_ns"] - child["start_ns"]) / 1e6
+            if child["name"] != ENGINE_SPAN:  # a connector's span: the KV arriving
+                parts[f"{stage} {child['name']}"] = child_ms
+                continue
+            parts[f"{stage} outside engine"] = max(0.0, ms - child_ms)
+            for phase in by_parent.get(child.get("span_id") or "-", []):
                 parts[f"{stage} {phase['name']}"] = (phase["end_ns"] - phase["start_ns"]) / 1e6
     return parts
 

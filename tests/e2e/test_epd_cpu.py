@@ -23,12 +23,14 @@ import httpx
 import numpy as np
 import pytest
 
+from epd_serve.bench import timeline as timeline_view
 from epd_serve.cli.demo import traced_request
 from epd_serve.engines.instance_metrics import parse_prometheus
 from epd_serve.engines.payloads import chat_body, image_data_url, make_image
 from epd_serve.mmstore import FeatureMeta, open_store
 from epd_serve.proxy.features import image_key
 
+from ..waiting import wait_for
 from .conftest import STORE_CAPACITY
 
 MAX_TOKENS = 12
@@ -307,3 +309,37 @@ def test_filling_the_store_past_capacity_evicts_and_never_fails(dep):
     assert first.status_code == again.status_code == 200
     assert again.headers["x-epd-stages"].startswith(f"E={e}:")
     assert delta[e].ec_saved == 1
+
+
+def test_an_image_requests_timeline_holds_every_engine_and_the_kv_arriving(dep):
+    """The proxy's hops, each engine's own request span under its hop, and under the
+    decode hop our KV connector's span of the transfer, group by group."""
+    e, p, d = names(dep)
+    body = chat_body(dep.launches[0].served_model_name, "describe",
+                     [image_data_url(make_image(224, 224, seed=707))], max_tokens=MAX_TOKENS)
+    resp = httpx.post(dep.proxy_url + "/v1/chat/completions", json=body, timeout=300)
+    assert resp.status_code == 200, resp.text
+    trace = resp.headers["x-epd-trace-id"]
+    wanted = {(e, "llm_request"), (p, "llm_request"), (d, "llm_request"), (d, "kv receive")}
+
+    def complete():
+        found = httpx.get(f"{dep.proxy_url}/v1/traces/{trace}", timeout=30).json()
+        return found if wanted <= {(s["source"], s["name"]) for s in found["spans"]} else None
+
+    # Engines export in batches every 200 ms.
+    found = wait_for(complete, timeout=20, what="every engine's spans in the timeline")
+    hops = {s["name"]: s for s in found["spans"] if s["source"] == "proxy"}
+    assert {"E hop", "P hop", "D hop"} <= set(hops)
+    for hop, name in (("E hop", e), ("P hop", p), ("D hop", d)):
+        (engine,) = [s for s in found["spans"]
+                     if s["source"] == name and s["name"] == "llm_request"]
+        assert engine["parent_id"] == hops[hop]["span_id"]
+    (kv,) = [s for s in found["spans"] if s["source"] == d and s["name"] == "kv receive"]
+    assert kv["parent_id"] == hops["D hop"]["span_id"]
+    assert hops["D hop"]["start_ns"] <= kv["start_ns"] <= kv["end_ns"] <= hops["D hop"]["end_ns"]
+    assert kv["attrs"]["epd.kv.outcome"] == "done" and kv["attrs"]["epd.kv.bytes"] > 0
+    landed = [ns for _, ns in kv["events"]]
+    assert len(landed) == kv["attrs"]["epd.kv.groups"] >= 1
+    assert kv["start_ns"] <= min(landed) and max(landed) <= kv["end_ns"]
+    labels = [row.label for row in timeline_view.rows(found)]
+    assert f"{d}: kv receive" in labels and f"{d}: llm_request" in labels

@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from epd_serve.bench import timeline as view
+from epd_serve.connectors.spans import ConnectorSpans
 from epd_serve.proxy import timeline
 
 from .test_proxy import IMAGE, chat, deployment
@@ -124,17 +125,29 @@ def test_every_hop_carries_the_clients_trace_and_the_timeline_holds_each_hop(str
         posted = httpx.post(f"{d.proxy.url}/v1/traces", content=body,
                             headers={"content-type": "application/x-protobuf"})
         assert posted.status_code == 200
+        # So does our KV connector in the engine core, for the transfer it received.
+        spans = ConnectorSpans(f"{d.proxy.url}/v1/traces", "d2")
+        spans.record("kv receive", {"traceparent": d.seen("d2")[0]["traceparent"]},
+                     d2_start, d2_start + 500_000, {"epd.kv.outcome": "done",
+                                                    "epd.kv.groups": 2, "epd.kv.bytes": 4096},
+                     [("layers 0-1 landed", d2_start + 400_000)])
+        spans.close()
         found = d.client.get(f"/v1/traces/{TRACE}").json()
         engine = [s for s in found["spans"] if s["source"] == "d2"]
-        assert {s["name"] for s in engine} == {"llm_request", *view.PHASES}
+        assert {s["name"] for s in engine} == {"llm_request", "kv receive", *view.PHASES}
         waterfall = view.rows(found)
         labels = [r.label for r in waterfall]
         assert labels[0] == "request (proxy)"
         d_hop = labels.index("D hop -> d2")
-        assert labels[d_hop + 1:d_hop + 6] == ["d2: llm_request", *view.PHASES]
+        assert labels[d_hop + 1:d_hop + 7] == ["d2: kv receive", "d2: llm_request", *view.PHASES]
+        assert waterfall[d_hop + 1].note == "outcome=done bytes=4096 groups=2"
         parts = view.stage_parts(found)
         assert parts["D decode"] == pytest.approx(3.0, abs=0.01)
-        assert parts["D outside engine"] >= 0 and parts["total"] >= parts["D hop"]
+        assert parts["D kv receive"] == pytest.approx(0.5, abs=0.001)
+        llm = next(s for s in engine if s["name"] == "llm_request")
+        assert parts["D outside engine"] == pytest.approx(  # vLLM's span only
+            max(0.0, parts["D hop"] - (llm["end_ns"] - llm["start_ns"]) / 1e6))
+        assert parts["total"] >= parts["D hop"]
 
 
 def test_bad_exports_and_unknown_traces_get_clear_errors():

@@ -138,3 +138,5 @@ class EPDKVConnector(KVConnectorBase_V1):
     def shutdown(self):
         if self.worker is not None:
             self.worker.shutdown()
+        if self.scheduler is not None:
+            self.scheduler.shutdown()

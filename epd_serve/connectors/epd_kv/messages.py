@@ -85,6 +85,13 @@ class FinishedSend:
     aborted: bool
 
 
+# -- worker -> scheduler (same engine), in metadata.py's `TransferReport` --------------
+# A decode worker's report of a transfer keeps its steps' wall-clock times (ns) under
+# this key; the scheduler side makes them a span of the request's timeline and leaves
+# them out of the report it returns in kv_transfer_params.
+REPORT_TIMES_KEY = "times"
+
+
 # -- decode worker <-> prefill worker ---------------------------------------------
 class TransferStats(msgspec.Struct, frozen=True):
     """One finished transfer, measured on the prefill side (its clock)."""

@@ -42,6 +42,10 @@ class Incoming:
     acked: bool = False
     incarnation: str | None = None
     landed_groups: int = 0
+    # Wall clocks (ns) for the request's timeline: reserved, each group landed, concluded.
+    reserved_ns: int = dataclasses.field(default_factory=time.time_ns)
+    landed_ns: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)  # layers
+    concluded_ns: int = 0
     outcome: str | None = None  # "done" | "failed" | "cancelled"
     reason: str = ""
     waiting_release_since: float | None = None  # writes may still land until Released
@@ -125,7 +129,10 @@ class Receiver:
 
     def _report(self, incoming: Incoming) -> dict[str, Any]:
         report: dict[str, Any] = {"transfer_id": incoming.plan.transfer_id,
-                                  "outcome": incoming.outcome}
+                                  "outcome": incoming.outcome,
+                                  msg.REPORT_TIMES_KEY: {"reserved": incoming.reserved_ns,
+                                              "landed": incoming.landed_ns,
+                                              "concluded": incoming.concluded_ns}}
         if incoming.outcome != "done":
             report["reason"] = incoming.reason
         if incoming.stats is not None:
@@ -161,6 +168,8 @@ class Receiver:
                     self._conclude(incoming, "failed", f"prefill refused: {message.error}")
             elif isinstance(message, msg.Landed):
                 incoming.landed_groups += 1
+                incoming.landed_ns.append((time.time_ns(), message.first_layer,
+                                           message.last_layer))
             elif isinstance(message, msg.Done):
                 incoming.stats = message.stats
                 self._conclude(incoming, "done")
@@ -219,6 +228,7 @@ class Receiver:
         if incoming.outcome is not None:
             return
         incoming.outcome, incoming.reason = outcome, reason
+        incoming.concluded_ns = time.time_ns()
         if outcome == "failed":
             self.stats.record("receive_failures")
             logger.warning("epd-kv: KV for request %s did not arrive (%s); decode computes "

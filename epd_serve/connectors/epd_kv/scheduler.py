@@ -6,7 +6,9 @@ touch the network (workers do that).
   asynchronously; once blocks are allocated the next step's plan tells the workers to
   reserve them with the prefill instance named in `kv_transfer_params`
   (`remote_host`, `remote_port`). When the request finishes, its transfer report is
-  returned in `kv_transfer_params["epd_kv"]`.
+  returned in `kv_transfer_params["epd_kv"]`; where the engine exports spans, the
+  transfer (reserved, each group landed, concluded) is one of the request's timeline
+  (connectors/spans.py: recorded here, exported by a background thread).
 - prefill (`kv_producer`): every step that computes part of a `do_remote_decode`
   request's prompt tells the workers which blocks and tokens that step writes; when the
   request finishes its blocks stay pinned until the workers report the writes done.
@@ -15,11 +17,13 @@ touch the network (workers do that).
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from epd_serve.connectors.epd_kv import messages as msg
 from epd_serve.connectors.epd_kv.metadata import StepPlan, TransferReport
 from epd_serve.connectors.epd_kv.settings import Settings
+from epd_serve.connectors.spans import ConnectorSpans
 
 logger = logging.getLogger("vllm.epd_serve.kv.scheduler")
 
@@ -45,6 +49,8 @@ class EPDKVScheduler:
         self._recvs: list[msg.RecvPlan] = []
         self._receiving: set[str] = set()  # decode requests whose transfer is reserved
         self._reports: dict[str, dict[str, Any]] = {}
+        self.spans = None if self.is_producer else ConnectorSpans.of(vllm_config)
+        self._trace_headers: dict[str, Mapping[str, str]] = {}  # receiving, traced
 
     # -- decode ---------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -75,6 +81,8 @@ class EPDKVScheduler:
         # while the load is pending) receive the prompt's KV.
         block_ids = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
         self._receiving.add(request.request_id)
+        if self.spans is not None and getattr(request, "trace_headers", None):
+            self._trace_headers[request.request_id] = request.trace_headers
         self._recvs.append(msg.RecvPlan(
             request_id=request.request_id, transfer_id=params["transfer_id"],
             prefill_host=params["remote_host"], prefill_port=int(params["remote_port"]),
@@ -116,10 +124,26 @@ class EPDKVScheduler:
         for request_id in connector_output.finished_sending or ():
             self._unreleased.discard(request_id)
         report = connector_output.kv_connector_worker_meta
-        if isinstance(report, TransferReport):
+        if not isinstance(report, TransferReport):
+            return
+        for request_id, stats in report.by_request.items():
+            times = stats.pop(msg.REPORT_TIMES_KEY, None)
+            headers = self._trace_headers.pop(request_id, None)
+            if headers and times:
+                self._record_span(headers, stats, times)
             # Reports of requests already finished (aborted) have nobody to go to.
-            self._reports.update({r: stats for r, stats in report.by_request.items()
-                                  if r in self._receiving})
+            if request_id in self._receiving:
+                self._reports[request_id] = stats
+
+    def _record_span(self, headers: Mapping[str, str], stats: dict[str, Any],
+                     times: dict[str, Any]) -> None:
+        """The transfer as a span under the decode hop: from the reservation with
+        prefill until it concluded, each group's landing an event."""
+        attributes = {f"epd.kv.{key}": value for key, value in stats.items()
+                      if isinstance(value, (int, float, str))}
+        events = [(f"layers {first}-{last} landed", ns) for ns, first, last in times["landed"]]
+        self.spans.record("kv receive", headers, times["reserved"], times["concluded"],
+                          attributes, events)
 
     def has_pending_push_work(self) -> bool:
         # Keep the engine stepping (and so polling its workers) while blocks of
@@ -145,8 +169,13 @@ class EPDKVScheduler:
                 request.request_id, params["transfer_id"], params["remote_host"],
                 int(params["remote_port"]), [], 0, 0))
         self._receiving.discard(request.request_id)
+        self._trace_headers.pop(request.request_id, None)
         report = self._reports.pop(request.request_id, None)
         return False, ({REPORT_KEY: report} if report else None)
+
+    def shutdown(self) -> None:
+        if self.spans is not None:
+            self.spans.close()
 
 
 def track_block_ids(table: dict[str, list[int]], scheduler_output, wanted) -> None:

@@ -17,6 +17,7 @@ import pytest
 from epd_serve.connectors.epd_kv.grouping import LinkModel
 from epd_serve.connectors.epd_kv.layout import LayerLayout, Region
 from epd_serve.connectors.epd_kv.messages import (
+    REPORT_TIMES_KEY,
     FinishedSend,
     RecvPlan,
     SendChunk,
@@ -237,6 +238,13 @@ def test_modes_send_one_write_or_one_per_layer(make_pair, mode, groups):
     report = results(pair)["reports"]["d-req"]
     assert (report["mode"], report["groups"]) == (mode, groups)
     assert np.array_equal(pair.d_memory[:, 9:12], pair.p_memory[:, 2:5])
+    # For the request's timeline: when each group landed, its layers, in order.
+    times = report[REPORT_TIMES_KEY]
+    landed = [ns for ns, _, _ in times["landed"]]
+    assert len(landed) == groups and times["reserved"] <= landed[0]
+    assert landed == sorted(landed) and landed[-1] <= times["concluded"]
+    layers = [layer for _, first, last in times["landed"] for layer in range(first, last + 1)]
+    assert layers == list(range(LAYERS))
 
 
 def test_a_failed_write_makes_decode_recompute_and_frees_both_sides(make_pair):
