@@ -54,6 +54,10 @@ class LLMCost(_Strict):
     per_decode_seq_ms: float = Field(description="Per sequence decoding one token.")
     per_context_token_ms: float = Field(0.0, description="Per token of the decoding "
                                         "sequences' contexts (reading their KV).")
+    mm_decode_once_ms: float = Field(0.0, description="Extra once per request with images, "
+                                     "in the iterations after its first token (measured: on "
+                                     "the CPU backend an image request's first ~8 decode "
+                                     "steps take 2-3x a text request's).")
     consumer_step_ms: float = Field(0.0, description="Extra per iteration of a decode "
                                     "instance that receives KV (its connector's work each "
                                     "step); measured by the hand-off run.")
@@ -62,7 +66,9 @@ class LLMCost(_Strict):
 class Transfers(_Strict):
     """What a request pays between stages and at the proxy."""
 
-    hop_ms: float = Field(description="Proxy -> instance and back, per stage visit.")
+    hop_ms: float = Field(description="Proxy -> instance and back, per stage visit, with "
+                          "the engine's API server's work on the request (chat template, "
+                          "tokenising).")
     feature_fixed_ms: float = Field(0.0, description="E -> P per request (store put/get).")
     feature_bytes_per_token: float = Field(0.0, description="Encoder output bytes per visual token.")
     feature_gbps: float = Field(10.0, description="E -> P bandwidth, GB/s.")

@@ -6,7 +6,9 @@ deployment): prefill is timed with prompts of exact token ids and one output tok
 the encoder with concurrent single-image requests (minus the prefill of their
 tokens), decode with concurrent chat streams (the endpoint the load tool and clients
 use: its per-token streaming costs the API server more than a bare completion's, and
-on a small CPU host that is a large part of a token's time).
+on a small CPU host that is a large part of a token's time), and short text and image
+streams (an image request's first decode steps run slow). A chat prompt's time to first token
+beyond its tokens' prefill is what each request costs besides the engine's iterations.
 Every probe uses fresh token ids and fresh images so that neither the prefix cache nor
 the multimodal cache answers for the engine. Probes go through the deployment's proxy,
 as clients' requests do.
@@ -20,6 +22,7 @@ process (httpx, and the load tool).
 from __future__ import annotations
 
 import asyncio
+import json
 import statistics
 import time
 from collections.abc import Callable
@@ -47,7 +50,6 @@ class Prober:
         self.log = log
         self._rng = np.random.default_rng(0)
         self._image_seed = 10_000
-        self.points: dict[str, list] = {"prefill": [], "decode": [], "encode": []}
 
     def _ids(self, n: int) -> list[int]:
         return self._rng.integers(*TOKEN_ID_RANGE, size=n).tolist()
@@ -67,21 +69,29 @@ class Prober:
                     times.append(time.monotonic())
         return times
 
-    async def _chat_tokens(self, client: httpx.AsyncClient, body: dict) -> list[float]:
+    async def _chat_stream(self, client: httpx.AsyncClient, body: dict) -> tuple[list[float], int]:
         """Streams a chat request; returns the arrival time of every content chunk
-        (monotonic s)."""
-        times = []
-        async with client.stream("POST", f"{self.url}/v1/chat/completions",
-                                 json={**body, "stream": True}) as resp:
+        (monotonic s) and the prompt's tokens as the engine counted them."""
+        times, prompt_tokens = [], 0
+        body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        async with client.stream("POST", f"{self.url}/v1/chat/completions", json=body) as resp:
             if resp.status_code != 200:
                 raise RuntimeError(f"{self.url} answered {resp.status_code}: "
                                    f"{(await resp.aread())[:200]!r}")
             async for line in resp.aiter_lines():
-                if line.startswith("data:") and '"content"' in line:
+                if not line.startswith("data:") or "[DONE]" in line:
+                    continue
+                if '"content"' in line:
                     times.append(time.monotonic())
+                usage = json.loads(line[5:]).get("usage")
+                if usage:
+                    prompt_tokens = usage["prompt_tokens"]
         if not times:
             raise RuntimeError(f"{self.url} streamed no token")
-        return times
+        return times, prompt_tokens
+
+    async def _chat_tokens(self, client: httpx.AsyncClient, body: dict) -> list[float]:
+        return (await self._chat_stream(client, body))[0]
 
     async def _first_token(self, client: httpx.AsyncClient, body: dict) -> float:
         """Streams a chat request; returns when its first token arrived (monotonic s)."""
@@ -108,26 +118,51 @@ class Prober:
                 return (times[0] - start) * 1e3
             samples.append(self._run(one))
         ms = statistics.median(samples)
-        self.points["prefill"].append((tokens, ms))
         self.log(f"  prefill {tokens:5d} tokens: {ms:7.1f} ms")
         return ms
 
-    def decode_ms(self, seqs: int, steps: int = 49) -> float:
-        """`seqs` concurrent chat streams of short prompts: time per output token after
+    def chat_prefill_ms(self, words: int) -> tuple[float, int]:
+        """A chat text prompt of about `words` tokens: time to its first token, streamed,
+        and its prompt tokens. Beyond a prefill of as many token ids, this is what the
+        API server spends on a chat request (template, tokenising)."""
+        samples, tokens = [], 0
+        for _ in range(self.repeats):
+            async def one(client, text=self._words(words)):
+                start = time.monotonic()
+                times, prompt_tokens = await self._chat_stream(
+                    client, chat_body(self.model, text, max_tokens=1))
+                return (times[0] - start) * 1e3, prompt_tokens
+            ms, tokens = self._run(one)
+            samples.append(ms)
+        ms = statistics.median(samples)
+        self.log(f"  chat    {tokens:5d} tokens: {ms:7.1f} ms")
+        return ms, tokens
+
+    def decode_ms(self, seqs: int, steps: int = 49, image_size: int | None = None,
+                  pause_s: float = 0.0) -> float:
+        """`seqs` concurrent chat streams of short prompts (each with a fresh image of
+        image_size x image_size, if given), `pause_s` apart: time per output token after
         the first ((last - first) / (tokens - 1), the load tool's TPOT), median over
         streams. By tokens, not chunk gaps: a server may flush several in one write."""
+        def images() -> list[str]:
+            if image_size is None:
+                return []
+            self._image_seed += 1
+            return [image_data_url(make_image(image_size, image_size, self._image_seed))]
+
         async def batch(client):
             streams = [self._chat_tokens(client, chat_body(
-                self.model, self._words(8), max_tokens=steps)) for _ in range(seqs)]
+                self.model, self._words(8), images(), max_tokens=steps)) for _ in range(seqs)]
             return await asyncio.gather(*streams)
         per_token = []
         for _ in range(self.repeats + 2):  # decode gaps are the noisiest probe on a busy host
             for times in self._run(batch):
                 if len(times) > 1:
                     per_token.append((times[-1] - times[0]) / (steps - 1))
+            time.sleep(pause_s)
         ms = float(np.median(per_token)) * 1e3 if per_token else float("nan")
-        self.points["decode"].append((seqs, ms))
-        self.log(f"  decode  {seqs:5d} seqs:   {ms:7.1f} ms per token")
+        what = f", {steps} tokens" + ("" if image_size is None else f", a {image_size}px image")
+        self.log(f"  decode  {seqs:5d} seqs:   {ms:7.1f} ms per token{what}")
         return ms
 
     def images_ms(self, count: int, size: int) -> float:
@@ -147,7 +182,6 @@ class Prober:
                 return (max(firsts) - start) * 1e3
             samples.append(self._run(burst))
         ms = statistics.median(samples)
-        self.points["encode"].append((count, size, ms))
         self.log(f"  images  {count:5d} x {size}px: {ms:7.1f} ms")
         return ms
 
@@ -188,9 +222,10 @@ def measure(prober: Prober, base: Profile, slo: SLO, max_tokens: int = 2048,
             max_images: int = 8, max_seqs: int = 32, image_size: int = 448) -> Profile:
     """Measure the engine behind `prober` (through its proxy, as clients reach it),
     search each role's budget against it, and return `base` with the measured costs and
-    budgets. A request's own costs (the proxy, HTTP, tokenising, scheduling) are the
-    prefill intercept beyond one iteration: the profile charges them per hop. E -> P
-    and P -> D hand-offs stay as in `base` (see measure_handoffs)."""
+    budgets. A request's own costs (the proxy, HTTP, the chat template, tokenising,
+    scheduling) are a chat prompt's time to first token beyond one iteration and its
+    tokens' prefill: the profile charges them per hop. E -> P and P -> D hand-offs stay
+    as in `base` (see measure_handoffs)."""
     log = prober.log
     log("prefill: token budget under alpha x TTFT and under TBT (binary search)")
     prefill = _Probed(prober.prefill_ms)
@@ -201,7 +236,7 @@ def measure(prober: Prober, base: Profile, slo: SLO, max_tokens: int = 2048,
     p_budget = budgets.search_budget(prefill, limits["P"], max_tokens)
     pd_budget = budgets.search_budget(prefill, limits["PD"], max_tokens)
     pts = sorted(prefill_cache.items())
-    fixed_p, per_token = _fit([[1, n] for n, _ in pts], [ms for _, ms in pts])
+    per_token = _fit([[1, n] for n, _ in pts], [ms for _, ms in pts])[1]
 
     log("decode: sequence budget under TBT (binary search)")
     decode = _Probed(prober.decode_ms)
@@ -211,10 +246,22 @@ def measure(prober: Prober, base: Profile, slo: SLO, max_tokens: int = 2048,
     d_budget = budgets.search_budget(decode, slo.tpot_ms, max_seqs)
     pts = sorted(decode_cache.items())
     fixed_d, per_seq = _fit([[1, n] for n, _ in pts], [ms for _, ms in pts])
+    # An image request's first decode steps run slow (2-3x a text request's on the CPU
+    # backend): an extra cost once per request, from short streams of each kind. Apart,
+    # as clients' requests come at a low rate: back to back the slowdown measured a
+    # third of what it is after half a second's pause.
+    small = image_size // 2
+    short = 16
+    decode_text = prober.decode_ms(1, steps=short, pause_s=0.5)
+    decode_image = prober.decode_ms(1, steps=short, image_size=small, pause_s=0.5)
+    mm_once = max(0.0, decode_image - decode_text) * (short - 1)
+
+    log("request: a chat prompt's time to first token beyond its prefill")
+    chat_ms, chat_tokens = prober.chat_prefill_ms(8)
+    hop_ms = max(0.0, chat_ms - (fixed_d + per_token * chat_tokens))
 
     log("encode: image budget under alpha x TTFT (binary search)")
     tokens_per_image = base.image_tokens(image_size, image_size)
-    small = image_size // 2
     probed_images = _Probed(prober.images_ms)
     encode_cache = probed_images.points
 
@@ -222,9 +269,10 @@ def measure(prober: Prober, base: Profile, slo: SLO, max_tokens: int = 2048,
         return probed_images(n, size)
 
     def encode_only(n: int, size: int = image_size) -> float:
-        """Image requests minus the prefill of their prompts (the fitted prefill)."""
+        """Image requests minus the request's own costs and the prefill of their
+        prompts (fitted)."""
         tokens = base.image_tokens(size, size) + base.template_tokens
-        return max(0.0, images(n, size) - (fixed_p + per_token * n * tokens))
+        return max(0.0, images(n, size) - (hop_ms + fixed_d + per_token * n * tokens))
 
     images(1, small)
     for n in (1, 2):
@@ -239,11 +287,12 @@ def measure(prober: Prober, base: Profile, slo: SLO, max_tokens: int = 2048,
     profile = base.model_copy(deep=True)
     profile.llm = LLMCost(fixed_ms=float(fixed_d), per_prefill_token_ms=float(per_token),
                           per_decode_seq_ms=float(per_seq),
-                          per_context_token_ms=base.llm.per_context_token_ms)
+                          per_context_token_ms=base.llm.per_context_token_ms,
+                          mm_decode_once_ms=float(mm_once))
     profile.encoder = EncoderCost(fixed_ms=float(fixed_e), per_image_ms=float(per_image),
                                   per_token_ms=float(per_vtoken))
     profile.transfers = base.transfers.model_copy(
-        update={"hop_ms": float(max(0.0, fixed_p - fixed_d))})
+        update={"hop_ms": float(hop_ms)})
     profile.measured = {
         "slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms},
         "budgets": {"E": {"images": e_budget, "visual_tokens_per_image": tokens_per_image},
@@ -258,6 +307,8 @@ def measure(prober: Prober, base: Profile, slo: SLO, max_tokens: int = 2048,
         "points_ms": {
             "prefill": [[n, round(ms, 2)] for n, ms in sorted(prefill_cache.items())],
             "decode": [[n, round(ms, 2)] for n, ms in sorted(decode_cache.items())],
+            "decode_short": [[short, round(decode_text, 2), round(decode_image, 2)]],
+            "chat": [[chat_tokens, round(chat_ms, 2)]],
             "images": [[n, size, round(ms, 2)] for (n, size), ms in sorted(encode_cache.items())],
         },
     }

@@ -21,7 +21,9 @@ The model, per request:
   encoder and language-model cost, stretched by contention when instances sharing
   its device (or, on a CPU host, the host) are busy at its start;
 - a merged prefill+decode instance emits the first token with the prefill's last
-  chunk; a decode instance emits it after its first iteration on the request.
+  chunk; a decode instance emits it after its first iteration on the request. The
+  iteration after an image request's first token costs the profile's
+  mm_decode_once_ms more (measured: its first decode steps run slow).
 
 Pure Python (heapq); no engines, no network.
 """
@@ -64,7 +66,9 @@ class _Request:
     stage_ms: dict = dataclasses.field(default_factory=dict)  # stage -> (instance, ms)
     stage_start: dict = dataclasses.field(default_factory=dict)
     kv: tuple[int, float] | None = None  # bytes, exposed ms
-    receive_ms: float = 0.0  # a blocking hand-off's cost, paid by the next engine's iteration
+    # Work the request's next iteration pays on top, holding up its whole batch: a
+    # blocking hand-off's cost, an image request's slow first decode steps.
+    owed_ms: float = 0.0
 
     @property
     def prompt_tokens(self) -> int:
@@ -241,7 +245,7 @@ class Simulation:
             return
         batch = self._form_batch(engine)
         images, prefill, decode = batch
-        cost = self._receive(prefill, decode) + (self.profile.encode_ms([t for _, t in images])
+        cost = self._owed(prefill, decode) + (self.profile.encode_ms([t for _, t in images])
                 + self.profile.iteration_ms(sum(n for _, n in prefill), len(decode),
                                             sum(r.prompt_tokens + r.generated for r in decode)))
         if decode and engine.receives_kv:
@@ -257,11 +261,11 @@ class Simulation:
         self._push(now + duration, self._iteration_done, engine, batch)
 
     @staticmethod
-    def _receive(prefill, decode) -> float:
-        """What the batch's requests still owe their blocking hand-off (once each)."""
+    def _owed(prefill, decode) -> float:
+        """What the batch's requests still owe (once each)."""
         owed = 0.0
         for req in [r for r, _ in prefill] + decode:
-            owed, req.receive_ms = owed + req.receive_ms, 0.0
+            owed, req.owed_ms = owed + req.owed_ms, 0.0
         return owed
 
     def _form_batch(self, engine: _Engine):
@@ -321,7 +325,7 @@ class Simulation:
         req.features_ready = True
         cost = self.profile.transfers.feature_ms(sum(req.image_tokens), self._rng.random())
         if self.profile.transfers.blocking:
-            req.receive_ms += cost
+            req.owed_ms += cost
             cost = 0.0
         self._push(now + cost / 1e3, self._to_prefill, req)
 
@@ -339,7 +343,7 @@ class Simulation:
         exposed = transfers.kv_ms(req.prompt_tokens, self._rng.random())
         req.kv = (transfers.kv_bytes(req.prompt_tokens), exposed)
         if transfers.blocking:
-            req.receive_ms += exposed
+            req.owed_ms += exposed
             exposed = 0.0
         self._push(now + exposed / 1e3, lambda t, r: self._hop(t, "D", r, self._enqueue_decode), req)
 
@@ -348,6 +352,8 @@ class Simulation:
         req.record.token_times.append(now)
         if req.record.first_token is None:
             req.record.first_token = now
+            if req.image_tokens:  # its first decode steps run slow (the profile measures it)
+                req.owed_ms += self.profile.llm.mm_decode_once_ms
 
     def _finish(self, now: float, engine: _Engine, req: _Request, stage: str) -> None:
         engine.in_flight -= 1

@@ -78,14 +78,18 @@ class KnownEngine(profiler.Prober):
         self.calls["prefill"] += 1
         return 12.0 + 0.05 * tokens
 
-    def decode_ms(self, seqs, steps=32):  # 2 ms + 0.5 ms per sequence
-        self.calls["decode"] += 1
-        return 2.0 + 0.5 * seqs
+    def chat_prefill_ms(self, words):  # a chat request costs the API server 3 ms more
+        tokens = 2 * words + 10
+        return 15.0 + 0.05 * tokens, tokens
 
-    def images_ms(self, count, size):  # encoder 20 ms per image + the prompt's prefill
+    def decode_ms(self, seqs, steps=32, image_size=None, pause_s=0.0):  # 2 ms + 0.5 ms per sequence
+        self.calls["decode"] += 1
+        return 2.0 + 0.5 * seqs + (30.0 / (steps - 1) if image_size else 0.0)  # 30 ms once
+
+    def images_ms(self, count, size):  # encoder 20 ms per image + a chat prefill
         self.calls["images"] += 1
         tokens = (size // 28) ** 2 + 10
-        return 20.0 * count + 12.0 + 0.05 * tokens * count
+        return 20.0 * count + 15.0 + 0.05 * tokens * count
 
 
 def test_profiler_searches_budgets_against_the_engine_and_fits_its_costs():
@@ -97,15 +101,16 @@ def test_profiler_searches_budgets_against_the_engine_and_fits_its_costs():
     assert b["P"]["tokens"] == 3860  # 12 + 0.05 t <= 205
     assert b["PD"]["tokens"] == 160  # 12 + 0.05 t <= 20
     assert b["D"]["seqs"] == 36  # 2 + 0.5 n <= 20
-    # images: 20 n + 12 + 0.05 (256 + 10) n - fitted prefill(266 n) = 20 n <= 205
+    # images: 20 n + 15 + 0.05 (256 + 10) n - (hop + iteration + prefill(266 n)) = 20 n <= 205
     assert b["E"]["images"] == 10
     assert prof.llm.per_prefill_token_ms == pytest.approx(0.05, rel=1e-6)
     assert prof.llm.per_decode_seq_ms == pytest.approx(0.5, rel=1e-6)
     assert prof.llm.fixed_ms == pytest.approx(2.0, rel=1e-6)
     assert prof.encoder.per_image_ms + prof.encoder.per_token_ms * 256 == pytest.approx(20.0, rel=1e-3)
-    # The request's own overhead (12 ms prefill intercept over 2 ms per iteration) is
-    # charged per hop.
-    assert prof.transfers.hop_ms == pytest.approx(10.0, rel=1e-6)
+    assert prof.llm.mm_decode_once_ms == pytest.approx(30.0, rel=1e-6)
+    # The request's own overhead (a chat prompt's 15 ms beyond its tokens' prefill, over
+    # 2 ms per iteration) is charged per hop.
+    assert prof.transfers.hop_ms == pytest.approx(13.0, rel=1e-6)
     assert prof.measured["engine_flags"]["D"]["max_num_seqs"] == 36
     # A binary search, not a sweep: a handful of probes per stage.
-    assert engine.calls["prefill"] <= 3 + 13 + 13 and engine.calls["decode"] <= 2 + 7
+    assert engine.calls["prefill"] <= 3 + 13 + 13 and engine.calls["decode"] <= 4 + 7

@@ -51,7 +51,9 @@ def test_no_request_is_lost_and_work_is_conserved(notation, mixed, profile):
     assert all(i["busy_s"] <= sim.end_s + 1e-9 for i in stats)
 
 
-def test_a_lone_request_costs_exactly_its_stages(profile):
+def test_a_lone_request_costs_exactly_its_stages():
+    # An image request's decode steps after its first token cost 8 ms more in all.
+    profile = make_profile(llm=dict(mm_decode_once_ms=8.0))
     image = RequestSpec(0, "one two three", (ImageRef(280, 280),), 3)
     text_tokens, (visual,) = profile.request_tokens(image)
     assert (text_tokens, visual) == (13, 100)
@@ -63,7 +65,12 @@ def test_a_lone_request_costs_exactly_its_stages(profile):
     ttft = (hop + profile.encode_ms([visual]) + t.feature_ms(visual) + hop
             + profile.iteration_ms(prompt, 0) + t.kv_ms(prompt) + hop + decode_step)
     assert rec.ttft * 1e3 == pytest.approx(ttft)
-    assert rec.tpot * 1e3 == pytest.approx(profile.iteration_ms(0, 1, prompt + 1))
+    steps = profile.iteration_ms(0, 1, prompt + 1) + profile.iteration_ms(0, 1, prompt + 2)
+    assert rec.tpot * 1e3 == pytest.approx((steps + 8.0) / 2)
+    text = RequestSpec(1, "one two three", (), 3)
+    result, _ = run("E-P-D", profile, [text], np.zeros(1))
+    assert result.records[0].tpot * 1e3 == pytest.approx(
+        (profile.iteration_ms(0, 1, 14) + profile.iteration_ms(0, 1, 15)) / 2)
     assert rec.stage_breakdown.stage_ms()["E"] == pytest.approx(profile.encode_ms([visual]))
     # Monolithic: encode, then prefill with the first token, on one instance.
     result, _ = run("TP1", profile, [image], np.zeros(1))
