@@ -59,6 +59,13 @@ class CpuPlatform(Platform):
             # measured on E-P-D, 2 cores, a text request took 945 ms spinning, 342 ms not.
             "OMP_WAIT_POLICY": "PASSIVE",
             "KMP_BLOCKTIME": "0",
+            # vLLM's CPU attention otherwise splits a sequence's KV over the OpenMP threads
+            # once it is long enough (an image request's ~110 tokens are), a cross-thread
+            # wait in every layer of every step; with passive waits on a small shared host
+            # an image request's first ~8 decode steps then took 7-11 ms, not 4
+            # (measured on TP1, 2 cores: median TPOT 5.2-5.8 ms split, 3.1-3.8 not; text
+            # 3.0-3.5 either way). A host with cores to spare may set it back (`env`).
+            "VLLM_CPU_ATTN_SPLIT_KV": "0",
             # Our vLLM plugin asks for AMX tiles in every engine process: without it a
             # decode instance dies (SIGILL) in its first attention on an AMX CPU.
             amx.ENV: "1",

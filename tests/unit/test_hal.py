@@ -179,6 +179,10 @@ def test_cpu_commands_use_our_connectors_and_kv_cache_env():
                                                "role": "kv_producer"}
     assert p_env["MC_FORCE_TCP"] == "1" and p_env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
     assert p_env["OMP_WAIT_POLICY"] == "PASSIVE" and p_env["KMP_BLOCKTIME"] == "0"
+    assert p_env["VLLM_CPU_ATTN_SPLIT_KV"] == "0"
+    # A host with cores to spare turns vLLM's KV split back on in the deployment file.
+    split = by_name(resolved("cpu", "TP1", env={"VLLM_CPU_ATTN_SPLIT_KV": "1"}))
+    assert split["epd0"][1]["VLLM_CPU_ATTN_SPLIT_KV"] == "1"
     assert "--enforce-eager" in p_cmd
     assert flag(p_cmd, "--limit-mm-per-prompt") == '{"image":2}'
     assert inst["d0"][1]["VLLM_CPU_KVCACHE_SPACE"] == "2"
