@@ -4,9 +4,9 @@ tool's report aggregates over many requests.
 
 A row is one span, placed relative to the moment the proxy received the request:
 the request itself, each hop the proxy sent (E, P, D, PD), under a hop the spans its
-engine exported (vLLM's request span, our connectors' spans such as the KV arriving),
-and under vLLM's span the engine's phases (preprocess, queue, prefill, decode). Pure
-functions over the JSON, but for `fetch` and the PNG.
+engine exported (vLLM's request span; our connectors': a feature loaded, the KV
+arriving), and under vLLM's span the engine's phases (preprocess, queue, prefill,
+decode). Pure functions over the JSON, but for `fetch` and the PNG.
 """
 
 from __future__ import annotations
@@ -151,6 +151,8 @@ def _engine_note(attrs: dict) -> str:
         return f"{prompt} prompt, {done} generated tokens"
     if "epd.kv.outcome" in attrs:  # the KV connector's receive span
         return " ".join(f"{k}={attrs[f'epd.kv.{k}']}" for k in KV_NOTE if f"epd.kv.{k}" in attrs)
+    if "epd.ec.source" in attrs:  # the MM Store connector's feature load
+        return f"{attrs['epd.ec.source']}, {attrs.get('epd.ec.bytes', '?')} B"
     return ""
 
 
@@ -174,8 +176,9 @@ def stage_parts(timeline: dict) -> dict[str, float]:
         parts[f"{stage} hop"] = parts.get(f"{stage} hop", 0.0) + ms
         for child in by_parent.get(span.get("span_id") or "-", []):
             child_ms = (child["end_ns"] - child["start_ns"]) / 1e6
-            if child["name"] != ENGINE_SPAN:  # a connector's span: the KV arriving
-                parts[f"{stage} {child['name']}"] = child_ms
+            if child["name"] != ENGINE_SPAN:  # a connector's: the KV arriving, a feature load
+                name = f"{stage} {child['name']}"
+                parts[name] = parts.get(name, 0.0) + child_ms  # one load per image
                 continue
             parts[f"{stage} outside engine"] = max(0.0, ms - child_ms)
             for phase in by_parent.get(child.get("span_id") or "-", []):

@@ -3,19 +3,26 @@
 vLLM exports one span per request (`llm_request`, from the API server) to its
 `--otlp-traces-endpoint`; what our connectors do for the request (the KV arriving group
 by group, say) happens in the engine core and its workers, which vLLM does not trace.
-The connectors' scheduler side, which sees each request's trace context, exports those
-events to the same endpoint under the same service name: the proxy files them under
-the request's trace beside the engine's own span (proxy/timeline.py).
+Where a request's trace context is known (the scheduler side sees it; the MM Store
+connector's scheduler passes it to its workers with each load), our connectors export
+those events to the same endpoint under the same service name: the proxy files them
+under the request's trace beside the engine's own span (proxy/timeline.py).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 logger = logging.getLogger("vllm.epd_serve.spans")
+
+
+def wall_ns(monotonic_s: float) -> int:
+    """A time.monotonic() reading as wall-clock ns (spans are in wall-clock time)."""
+    return time.time_ns() - int((time.monotonic() - monotonic_s) * 1e9)
 
 
 class ConnectorSpans:

@@ -311,16 +311,18 @@ def test_filling_the_store_past_capacity_evicts_and_never_fails(dep):
     assert delta[e].ec_saved == 1
 
 
-def test_an_image_requests_timeline_holds_every_engine_and_the_kv_arriving(dep):
-    """The proxy's hops, each engine's own request span under its hop, and under the
-    decode hop our KV connector's span of the transfer, group by group."""
+def test_an_image_requests_timeline_holds_every_engine_the_feature_load_and_the_kv(dep):
+    """The proxy's hops, each engine's own request span under its hop, under the prefill
+    hop our MM Store connector's load of the feature, and under the decode hop our KV
+    connector's span of the transfer, group by group."""
     e, p, d = names(dep)
     body = chat_body(dep.launches[0].served_model_name, "describe",
                      [image_data_url(make_image(224, 224, seed=707))], max_tokens=MAX_TOKENS)
     resp = httpx.post(dep.proxy_url + "/v1/chat/completions", json=body, timeout=300)
     assert resp.status_code == 200, resp.text
     trace = resp.headers["x-epd-trace-id"]
-    wanted = {(e, "llm_request"), (p, "llm_request"), (d, "llm_request"), (d, "kv receive")}
+    wanted = {(e, "llm_request"), (p, "llm_request"), (d, "llm_request"),
+              (p, "features load"), (d, "kv receive")}
 
     def complete():
         found = httpx.get(f"{dep.proxy_url}/v1/traces/{trace}", timeout=30).json()
@@ -334,6 +336,11 @@ def test_an_image_requests_timeline_holds_every_engine_and_the_kv_arriving(dep):
         (engine,) = [s for s in found["spans"]
                      if s["source"] == name and s["name"] == "llm_request"]
         assert engine["parent_id"] == hops[hop]["span_id"]
+    (load,) = [s for s in found["spans"] if s["source"] == p and s["name"] == "features load"]
+    assert load["parent_id"] == hops["P hop"]["span_id"]
+    assert hops["P hop"]["start_ns"] <= load["end_ns"] <= hops["P hop"]["end_ns"]
+    assert load["attrs"]["epd.ec.source"] in ("prefetched", "prefetch_late", "on_demand")
+    assert load["attrs"]["epd.ec.bytes"] > 0
     (kv,) = [s for s in found["spans"] if s["source"] == d and s["name"] == "kv receive"]
     assert kv["parent_id"] == hops["D hop"]["span_id"]
     assert hops["D hop"]["start_ns"] <= kv["start_ns"] <= kv["end_ns"] <= hops["D hop"]["end_ns"]
@@ -342,4 +349,4 @@ def test_an_image_requests_timeline_holds_every_engine_and_the_kv_arriving(dep):
     assert len(landed) == kv["attrs"]["epd.kv.groups"] >= 1
     assert kv["start_ns"] <= min(landed) and max(landed) <= kv["end_ns"]
     labels = [row.label for row in timeline_view.rows(found)]
-    assert f"{d}: kv receive" in labels and f"{d}: llm_request" in labels
+    assert {f"{p}: features load", f"{d}: kv receive", f"{d}: llm_request"} <= set(labels)

@@ -15,6 +15,7 @@ from epd_serve.connectors import compat
 from epd_serve.connectors.epd_ec.scheduler import ECStep, EPDECScheduler
 from epd_serve.connectors.epd_ec.settings import Settings
 from epd_serve.connectors.epd_ec.stats import EPDECPromMetrics, EPDECStats
+from epd_serve.connectors.spans import ConnectorSpans
 
 
 class EPDECConnector(ECConnectorBase):
@@ -30,7 +31,8 @@ class EPDECConnector(ECConnectorBase):
         else:
             from epd_serve.connectors.epd_ec.worker import EPDECWorker
 
-            self.worker = EPDECWorker(settings, self.is_producer, self.is_consumer)
+            spans = ConnectorSpans.of(vllm_config) if self.is_consumer else None
+            self.worker = EPDECWorker(settings, self.is_producer, self.is_consumer, spans)
         # The model runner's encoder cache, as last seen in save_caches: where vLLM never
         # calls start_save_caches, bind_connector_metadata does its work with it.
         self._encoder_cache: dict | None = None

@@ -41,6 +41,9 @@ class ECStep(ECConnectorMetadata):
 
     loads: dict[str, int] = field(default_factory=dict)  # mm_hash -> embeddings to load
     publish: dict[str, dict] = field(default_factory=dict)  # mm_hash -> placeholder metadata
+    # mm_hash -> the trace context of the request a load is for, where vLLM traces: the
+    # worker makes the load a span of that request's timeline.
+    traces: dict[str, dict[str, str]] = field(default_factory=dict)
 
 
 class EPDECScheduler:
@@ -57,6 +60,7 @@ class EPDECScheduler:
         self._unavailable: set[str] = set()  # failed, until vLLM finishes them
         self._to_fail: set[str] = set()  # failed, not yet handed to vLLM
         self._loads: dict[str, int] = {}
+        self._traces: dict[str, dict[str, str]] = {}
         self._publish: dict[str, dict] = {}
 
     # -- before scheduling ---------------------------------------------------------
@@ -157,6 +161,8 @@ class EPDECScheduler:
         key = request.mm_features[index].identifier
         if self.has_cache_item(key):
             self._loads[key] = request.get_num_encoder_embeds(index)
+            if getattr(request, "trace_headers", None):
+                self._traces[key] = dict(request.trace_headers)
 
     def build_connector_meta(self, scheduler_output) -> ECStep:
         # Requests finished since the last step give their pins back here, as well as
@@ -165,8 +171,8 @@ class EPDECScheduler:
             self._finished(req_id)
         if self._logged is not None:
             self._logged.tick()
-        step = ECStep(loads=self._loads, publish=self._publish)
-        self._loads, self._publish = {}, {}
+        step = ECStep(loads=self._loads, publish=self._publish, traces=self._traces)
+        self._loads, self._publish, self._traces = {}, {}, {}
         return step
 
     def take_unavailable_requests(self) -> set[str]:

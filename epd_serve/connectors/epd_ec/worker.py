@@ -5,6 +5,8 @@ its shape, dtype and placeholder metadata; the put is done before the step ends,
 the feature is in the store by the time the encoder's answer reaches the proxy.
 Consumer: `start_load_caches` puts each feature the scheduler pinned into vLLM's
 encoder cache, taking it from the prefetch listener when a hint brought it early.
+Where the engine exports spans, each load is one of its request's timeline ("features
+load": from the hint, or from when the step needed it, until it is loaded).
 
 A pinned feature that cannot be loaded stops the engine (`FeatureUnavailable`) rather
 than computing the step without it. vLLM 0.32 gives an EC connector no way to take one
@@ -30,6 +32,7 @@ from epd_serve.connectors.epd_ec.prefetch import Prefetcher
 from epd_serve.connectors.epd_ec.scheduler import ECStep
 from epd_serve.connectors.epd_ec.settings import Settings
 from epd_serve.connectors.epd_ec.stats import EPDECWorkerMeta, LoggedCounts, Recorder
+from epd_serve.connectors.spans import ConnectorSpans, wall_ns
 from epd_serve.mmstore import FeatureMeta, FeatureStore, StoreError, open_store
 
 log = logging.getLogger("vllm.epd_serve.ec")
@@ -53,10 +56,12 @@ def _tp_rank() -> int:
 
 
 class EPDECWorker:
-    def __init__(self, settings: Settings, producer: bool, consumer: bool):
+    def __init__(self, settings: Settings, producer: bool, consumer: bool,
+                 spans: ConnectorSpans | None = None):
         from vllm.platforms import current_platform
 
         self.settings = settings
+        self.spans = spans
         self.producer = producer
         self.consumer = consumer
         self.device = compat.accelerator_device(current_platform.device_type)
@@ -118,9 +123,10 @@ class EPDECWorker:
     def start_load_caches(self, step: ECStep, encoder_cache: dict[str, torch.Tensor]) -> None:
         for key, num_embeds in step.loads.items():
             if key not in encoder_cache:
-                encoder_cache[key] = self._load(key, num_embeds)
+                encoder_cache[key] = self._load(key, num_embeds, step.traces.get(key))
 
-    def _load(self, key: str, num_embeds: int) -> torch.Tensor:
+    def _load(self, key: str, num_embeds: int,
+              trace: dict[str, str] | None = None) -> torch.Tensor:
         needed_at = time.monotonic()
         start = time.perf_counter()
         found, source, overlap = None, "on_demand", None
@@ -152,7 +158,16 @@ class EPDECWorker:
                       f" sched_ms={(needed_at - item.hinted_at) * 1e3:.2f} overlap={overlap:.4f}")
         log.info("epd-ec loaded mm_hash=%s bytes=%d source=%s wait_ms=%.2f%s", key,
                  data.nbytes, source, seconds * 1e3, timing)
-        return to_tensor(data, meta, self.device, self._staging)
+        tensor = to_tensor(data, meta, self.device, self._staging)
+        if self.spans is not None and trace and self.first_rank:  # one span, not one per rank
+            marks = [("needed", needed_at)]
+            if overlap is not None:  # a prefetch: hinted, then in memory here
+                marks += [("hinted", item.hinted_at), ("in memory", item.ready_at)]
+            events = [(name, wall_ns(at)) for name, at in sorted(marks, key=lambda m: m[1])]
+            self.spans.record("features load", trace, events[0][1], time.time_ns(),
+                              {"epd.ec.key": key, "epd.ec.bytes": int(data.nbytes),
+                               "epd.ec.source": source}, events)
+        return tensor
 
     def _read_store(self, key: str) -> tuple | None:
         """The feature from the store (None: the store says it lacks it). A store that
@@ -190,4 +205,6 @@ class EPDECWorker:
     def shutdown(self) -> None:
         if self.prefetcher is not None:
             self.prefetcher.close()
+        if self.spans is not None:
+            self.spans.close()
         self.store.close()

@@ -1,5 +1,6 @@
 """Our connectors' spans: exported over OTLP/HTTP as children of the hop that sent the
-request, and the decode scheduler's KV transfer span made from its worker's report."""
+request; the decode scheduler's KV transfer span made from its worker's report; the
+prefill worker's feature load, under the trace context its scheduler passed on."""
 
 from __future__ import annotations
 
@@ -9,12 +10,21 @@ import types
 
 import pytest
 
+from epd_serve.connectors.epd_ec.scheduler import ECStep
+from epd_serve.connectors.epd_ec.settings import Settings as ECSettings
+from epd_serve.connectors.epd_ec.worker import EPDECWorker
 from epd_serve.connectors.epd_kv.messages import REPORT_TIMES_KEY
 from epd_serve.connectors.epd_kv.metadata import TransferReport
 from epd_serve.connectors.epd_kv.scheduler import EPDKVScheduler
 from epd_serve.connectors.epd_kv.settings import Settings
 from epd_serve.connectors.spans import ConnectorSpans
 from proxy.timeline import parse_otlp
+
+from ...stores import started_shm_store
+from .test_epd_ec import feature as ec_feature
+from .test_epd_ec import request as ec_request
+from .test_epd_ec import scheduler as ec_scheduler
+from .test_epd_ec import store_feature
 
 TRACE, HOP = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
 TRACEPARENT = {"traceparent": f"00-{TRACE}-{HOP}-01"}
@@ -74,6 +84,9 @@ class RecordedSpans:
     def record(self, *args):
         self.spans.append(args)
 
+    def close(self):
+        pass
+
 
 def test_decode_turns_its_transfer_report_into_a_span_and_answers_without_the_times():
     config = types.SimpleNamespace(cache_config=types.SimpleNamespace(block_size=4),
@@ -100,3 +113,36 @@ def test_decode_turns_its_transfer_report_into_a_span_and_answers_without_the_ti
     _, params = scheduler.request_finished(request, [3, 4])
     assert params == {"epd_kv": {"transfer_id": "t", "outcome": "done", "bytes": 4096,
                                  "groups": 2}}
+
+
+@pytest.fixture(scope="module")
+def store_spec():
+    with started_shm_store("ec-spans", 8 << 20, port_start=29500) as spec:
+        yield spec
+
+
+def test_prefill_loads_a_feature_as_a_span_of_the_request_it_is_for(store_spec):
+    # The scheduler hands the worker the trace context of the request a load is for...
+    store_feature(store_spec, "img")
+    sched = ec_scheduler(store_spec)
+    traced = ec_request("r", ec_feature("img"))
+    traced.trace_headers = TRACEPARENT
+    assert sched.ensure_cache_available(traced, 0)
+    sched.update_state_after_alloc(traced, 0)
+    step = sched.build_connector_meta(types.SimpleNamespace(finished_req_ids=set()))
+    assert step.loads == {"img": 4} and step.traces == {"img": TRACEPARENT}
+    # ... and the worker records the load under it, from when the step needed it.
+    worker = EPDECWorker(ECSettings(store=store_spec), producer=False, consumer=True,
+                         spans=RecordedSpans())
+    try:
+        cache = {}
+        worker.start_load_caches(step, cache)
+        worker.start_load_caches(ECStep(loads={"img": 4}), {})  # untraced: no span
+    finally:
+        worker.shutdown()
+        sched.shutdown()
+    assert "img" in cache
+    ((name, headers, start, end, attributes, events),) = worker.spans.spans
+    assert (name, headers) == ("features load", TRACEPARENT)
+    assert attributes == {"epd.ec.key": "img", "epd.ec.bytes": 64, "epd.ec.source": "on_demand"}
+    assert events == [("needed", start)] and start <= end
