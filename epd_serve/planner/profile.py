@@ -55,9 +55,9 @@ class LLMCost(_Strict):
     per_context_token_ms: float = Field(0.0, description="Per token of the decoding "
                                         "sequences' contexts (reading their KV).")
     mm_decode_once_ms: float = Field(0.0, description="Extra once per request with images, "
-                                     "in the iterations after its first token (measured: on "
-                                     "the CPU backend an image request's first ~8 decode "
-                                     "steps take 2-3x a text request's).")
+                                     "in the iterations after its first token (measured: "
+                                     "~30 ms on the CPU backend while vLLM's attention split "
+                                     "the KV over threads, its first ~8 steps slow; 0 since).")
     consumer_step_ms: float = Field(0.0, description="Extra per iteration of a decode "
                                     "instance that receives KV (its connector's work each "
                                     "step); measured by the hand-off run.")

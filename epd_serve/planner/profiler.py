@@ -121,17 +121,21 @@ class Prober:
         self.log(f"  prefill {tokens:5d} tokens: {ms:7.1f} ms")
         return ms
 
-    def chat_prefill_ms(self, words: int) -> tuple[float, int]:
+    def chat_prefill_ms(self, words: int, pause_s: float = 0.5) -> tuple[float, int]:
         """A chat text prompt of about `words` tokens: time to its first token, streamed,
         and its prompt tokens. Beyond a prefill of as many token ids, this is what the
-        API server spends on a chat request (template, tokenising)."""
+        API server spends on a chat request (template, tokenising). Requests `pause_s`
+        apart, as clients' come at a low rate: one that finds the engine idle waits
+        longer for its first token than one right behind another (TP1, 2 cores, 43
+        tokens: 14.2 ms half a second apart, 7.9 ms back to back, in two profile runs)."""
         samples, tokens = [], 0
-        for _ in range(self.repeats):
+        for _ in range(self.repeats + 2):
             async def one(client, text=self._words(words)):
                 start = time.monotonic()
                 times, prompt_tokens = await self._chat_stream(
                     client, chat_body(self.model, text, max_tokens=1))
                 return (times[0] - start) * 1e3, prompt_tokens
+            time.sleep(pause_s)
             ms, tokens = self._run(one)
             samples.append(ms)
         ms = statistics.median(samples)
@@ -246,10 +250,11 @@ def measure(prober: Prober, base: Profile, slo: SLO, max_tokens: int = 2048,
     d_budget = budgets.search_budget(decode, slo.tpot_ms, max_seqs)
     pts = sorted(decode_cache.items())
     fixed_d, per_seq = _fit([[1, n] for n, _ in pts], [ms for _, ms in pts])
-    # An image request's first decode steps run slow (2-3x a text request's on the CPU
-    # backend): an extra cost once per request, from short streams of each kind. Apart,
-    # as clients' requests come at a low rate: back to back the slowdown measured a
-    # third of what it is after half a second's pause.
+    # An image request's first decode steps may run slow (2-3x a text request's on the
+    # CPU backend while vLLM split the attention's KV over threads): an extra cost once
+    # per request, from short streams of each kind. Apart, as clients' requests come at
+    # a low rate: back to back that slowdown measured a third of what it was after half
+    # a second's pause.
     small = image_size // 2
     short = 16
     decode_text = prober.decode_ms(1, steps=short, pause_s=0.5)

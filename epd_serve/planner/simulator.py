@@ -23,7 +23,7 @@ The model, per request:
 - a merged prefill+decode instance emits the first token with the prefill's last
   chunk; a decode instance emits it after its first iteration on the request. The
   iteration after an image request's first token costs the profile's
-  mm_decode_once_ms more (measured: its first decode steps run slow).
+  mm_decode_once_ms more (where its first decode steps run slow).
 
 Pure Python (heapq); no engines, no network.
 """

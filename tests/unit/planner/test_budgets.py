@@ -78,7 +78,7 @@ class KnownEngine(profiler.Prober):
         self.calls["prefill"] += 1
         return 12.0 + 0.05 * tokens
 
-    def chat_prefill_ms(self, words):  # a chat request costs the API server 3 ms more
+    def chat_prefill_ms(self, words, pause_s=0.5):  # a chat request costs the API server 3 ms more
         tokens = 2 * words + 10
         return 15.0 + 0.05 * tokens, tokens
 
