@@ -20,7 +20,7 @@ from proxy_real import pin_encoders  # benchmarks/ is on the path when run as a 
 
 from epd_serve.runtime import deploy
 from epd_serve.engines.payloads import image_data_url, make_image
-from epd_serve.proxy.features import image_key
+from epd_serve.proxy.tenancy import image_key
 
 SIDE = 672
 ROUNDS = 5

@@ -43,7 +43,7 @@ from epd_serve.runtime import deploy  # noqa: E402
 from epd_serve.mmstore import FeatureMeta, StoreSpec, open_store  # noqa: E402
 from epd_serve.mmstore.service import StartedStore  # noqa: E402
 from epd_serve.engines.payloads import chat_body, image_data_url, make_image  # noqa: E402
-from epd_serve.proxy.features import image_key  # noqa: E402
+from epd_serve.proxy.tenancy import image_key  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 WIDTH = 3584

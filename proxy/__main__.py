@@ -8,6 +8,7 @@ import logging
 
 from aiohttp import web
 
+from epd_serve.proxy.admission import descriptor_budget
 from epd_serve.proxy.app import create_app
 from epd_serve.proxy.config import ProxyConfig
 
@@ -29,6 +30,13 @@ def main(argv: list[str] | None = None) -> None:
     config = ProxyConfig.from_file(args.config)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # One request log line per request: skip what the format never shows (the caller's
+    # frame, thread and process names), as the logging HOWTO's optimisation section says.
+    logging._srcfile = None
+    logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
+    # Each request in flight holds sockets: the admission limit is sized to what the
+    # process may open (admission.py), after raising that as far as the system allows.
+    descriptor_budget()
     app = create_app(config)
     # Everything built so far lives as long as the process: keep it out of the
     # collector's scans, and collect the young generation less often (a request makes

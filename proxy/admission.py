@@ -1,56 +1,181 @@
-"""Admission: how much the proxy takes on at once. A request is admitted before its body
-is read, or refused with a 503 (and Retry-After) when it would take the proxy past
-`limits.max_requests_in_flight` requests or `limits.max_body_bytes_in_flight` bytes of
-request bodies; an admitted request is served to the end whatever arrives after it.
+"""Admission: how much the proxy takes on at once, and reading what it took on.
 
-Runs inside the proxy process, on its event loop (one thread: no locks). A body is
-counted at its Content-Length (at `max_body_bytes` when it has none, as with a chunked
-upload, since the server layer reads up to that much).
+A request is admitted, or refused with a 503 (and Retry-After) when it would take the
+proxy past `limits.max_requests_in_flight` requests, before its body is read. The body
+is then read here, and what it holds counts as it arrives: the byte budget
+(`max_body_bytes_in_flight`) counts bytes actually received, never a Content-Length a
+client only announced; after `upload_grace_s` an upload must average
+`min_upload_bytes_per_s` or it ends with 408, giving its bytes back; one client address
+may send at most `max_uploads_per_client` bodies at once (429). The remote media a
+request downloads count against the same byte budget (`Ticket.charge`). Everything an
+admitted request holds is given back when it ends; an admitted request is served to the
+end whatever arrives after it.
+
+Each request needs file descriptors (its client's connection and one per hop in
+flight): `descriptor_budget` raises the process's limit as far as the system allows,
+and `requests_for_descriptors` says how many requests that carries.
+
+Runs inside the proxy process, on its event loop (one thread: no locks).
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import contextlib
+import logging
+import resource
 from collections.abc import Iterator
 
-from epd_serve.proxy.errors import ProxyError
+from aiohttp import StreamReader, web
+
+from epd_serve.proxy.errors import ProxyError, bad_request
 from epd_serve.proxy.guards import Limits
 from epd_serve.proxy.metrics import ProxyMetrics
 
+log = logging.getLogger("epd_serve.proxy.admission")
 
-class Admission:
-    def __init__(self, limits: Limits, metrics: ProxyMetrics):
-        self.limits = limits
-        self.metrics = metrics
-        self.requests = 0
+# Descriptors one request holds at a time, as requests usually go: the client's
+# connection, prefill's and decode's (they overlap), and one encoder's.
+DESCRIPTORS_PER_REQUEST = 4
+# Kept for everything else: the listening socket, probes, the store, logs, libraries.
+DESCRIPTORS_RESERVED = 256
+
+
+class Ticket:
+    """What one admitted request holds of the byte budget."""
+
+    def __init__(self, admission: "Admission"):
+        self._admission = admission
         self.body_bytes = 0
 
+    def charge(self, size: int) -> None:
+        """Count `size` more bytes held for this request (503 past the budget)."""
+        self._admission._charge(self, size)
+
+
+class Admission:
+    def __init__(self, limits: Limits, metrics: ProxyMetrics, max_requests: int | None = None):
+        self.limits = limits
+        self.metrics = metrics
+        self.max_requests = max_requests or limits.max_requests_in_flight
+        self.requests = 0
+        self.body_bytes = 0
+        self.uploads: collections.Counter[str] = collections.Counter()  # address -> bodies
+
     @contextlib.contextmanager
-    def admit(self, content_length: int | None) -> Iterator[None]:
-        """Hold the request's share of the limits for the `with` block (for a streamed
-        answer, until its last byte is relayed), or raise a 503 naming the limit it
-        would pass."""
-        size = self.limits.max_body_bytes if content_length is None \
-            else min(content_length, self.limits.max_body_bytes)
-        if self.requests + 1 > self.limits.max_requests_in_flight:
-            self._refuse("max_requests_in_flight", f"{self.requests} requests in flight")
+    def admit(self) -> Iterator[Ticket]:
+        """Hold a place for one request for the `with` block (for a streamed answer,
+        until its last byte is relayed), or raise a 503 naming the limit."""
+        if self.requests + 1 > self.max_requests:
+            self._refuse("max_requests_in_flight", f"{self.requests} requests in flight",
+                         self.max_requests)
+        ticket = Ticket(self)
+        self._change(1, 0)
+        try:
+            yield ticket
+        finally:
+            self._change(-1, -ticket.body_bytes)
+
+    async def read_body(self, request: web.Request, ticket: Ticket, max_bytes: int) -> bytearray:
+        """The request's body, counted against the budget as it arrives. 413 past
+        `max_bytes` (at once when the Content-Length says so), 408 for an upload
+        slower than the limits allow, 429 past the client's uploads at once."""
+        length = request.content_length
+        if length is not None and length > max_bytes:
+            raise _too_large(max_bytes)
+        peer = request.remote or "unknown"
+        if self.uploads[peer] >= self.limits.max_uploads_per_client:
+            self.metrics.refused.labels("max_uploads_per_client").inc()
+            raise ProxyError(429, f"this address is already sending "
+                             f"{self.uploads[peer]} request bodies at once "
+                             f"(proxy.limits.max_uploads_per_client); retry when one is done",
+                             "rate_limit_error", reason="too_many_uploads")
+        self.uploads[peer] += 1
+        try:
+            return await self._read(request.content, ticket, max_bytes)
+        finally:
+            self.uploads[peer] -= 1
+            if not self.uploads[peer]:
+                del self.uploads[peer]
+
+    async def _read(self, content: StreamReader, ticket: Ticket, max_bytes: int) -> bytearray:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        grace, rate = self.limits.upload_grace_s, self.limits.min_upload_bytes_per_s
+        body = bytearray()
+        while True:
+            chunk = content.read_nowait()  # what has arrived already: no wait, no timer
+            if not chunk:
+                if content.at_eof():
+                    break
+                # The slowest upload allowed has this many bytes by then.
+                due = start + grace + len(body) / rate
+                try:
+                    chunk = await asyncio.wait_for(content.readany(), due - loop.time())
+                except (asyncio.TimeoutError, TimeoutError):
+                    raise bad_request(
+                        f"the request body arrived too slowly ({len(body)} bytes in "
+                        f"{loop.time() - start:.1f} s; this deployment needs at least "
+                        f"{rate} bytes a second after {grace:g} s)", "slow_upload",
+                        408) from None
+                if not chunk:
+                    break
+            if len(body) + len(chunk) > max_bytes:
+                raise _too_large(max_bytes)
+            ticket.charge(len(chunk))
+            body += chunk
+        return body
+
+    def _charge(self, ticket: Ticket, size: int) -> None:
         if self.body_bytes + size > self.limits.max_body_bytes_in_flight:
             self._refuse("max_body_bytes_in_flight",
-                         f"{self.body_bytes} bytes of request bodies held, {size} more asked")
-        self._change(1, size)
-        try:
-            yield
-        finally:
-            self._change(-1, -size)
+                         f"{self.body_bytes} bytes of request bodies held, {size} more "
+                         "arriving", self.limits.max_body_bytes_in_flight)
+        ticket.body_bytes += size
+        self._change(0, size)
 
-    def _refuse(self, limit: str, state: str) -> None:
+    def _refuse(self, limit: str, state: str, value: int) -> None:
         self.metrics.refused.labels(limit).inc()
         raise ProxyError(503, f"the proxy is at its limit ({state}; proxy.limits.{limit} is "
-                         f"{getattr(self.limits, limit)}): retry shortly",
-                         "service_unavailable", reason="overloaded")
+                         f"{value}): retry shortly", "service_unavailable", reason="overloaded")
 
     def _change(self, requests: int, body_bytes: int) -> None:
         self.requests += requests
         self.body_bytes += body_bytes
         self.metrics.requests_in_flight.set(self.requests)
         self.metrics.body_bytes_in_flight.set(self.body_bytes)
+
+
+def _too_large(max_bytes: int) -> ProxyError:
+    return bad_request(f"request body is larger than {max_bytes} bytes (proxy.limits: "
+                       "max_body_bytes, or max_trace_body_bytes for span exports)",
+                       "body_too_large", 413)
+
+
+def descriptor_budget() -> int:
+    """Raise this process's open-file limit to the most the system allows; the limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY:
+        hard = max(soft, 1 << 20)
+    if soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as err:  # a container may refuse it
+            log.warning("could not raise the open-file limit from %d to %d: %s", soft, hard, err)
+    return soft
+
+
+def requests_for_descriptors(limits: Limits, descriptors: int) -> int:
+    """The most requests in flight that `descriptors` open files carry, at most the
+    configured limit; a lower number is logged with how to raise it."""
+    fits = max(1, (descriptors - DESCRIPTORS_RESERVED) // DESCRIPTORS_PER_REQUEST)
+    if fits < limits.max_requests_in_flight:
+        log.warning("proxy.limits.max_requests_in_flight is %d, but %d open files carry "
+                    "%d requests (%d each, %d kept): admitting %d at once; raise the "
+                    "limit (ulimit -n, or LimitNOFILE in a systemd unit) to admit more",
+                    limits.max_requests_in_flight, descriptors, fits,
+                    DESCRIPTORS_PER_REQUEST, DESCRIPTORS_RESERVED, fits)
+        return fits
+    return limits.max_requests_in_flight

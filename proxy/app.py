@@ -2,11 +2,16 @@
 
 Runs in its own process (`python -m epd_serve.proxy --config proxy.json`, started by
 the launcher). `create_app(config)` builds everything; there are no module globals.
-aiohttp serves and sends (one library, little CPU per request) and msgspec parses;
-a request is admitted within the proxy's limits (admission.py: 503 past them), checked
-by guards.py before any engine sees it, served by pipeline.py, and answered here: every
-failure becomes an OpenAI-style error with a status. The client's X-Request-Id is
-echoed; engines get an id of the proxy's own, unique per request (`request_ids_for`).
+aiohttp serves and sends (one library, little CPU per request) and msgspec parses.
+Every route is behind one door (`guard`): clients' routes take the deployment's API key
+(tenancy.py: the key names the tenant), engines' span exports the internal token,
+the KV metaserver a URL made for one request, instance registration the admin key;
+only /health, /ready and /metrics are open. A request is admitted within the proxy's
+limits and its body read (admission.py: 503, 408, 413, 429), parsed once and checked
+before any engine sees it (request.py), its media keyed by the proxy (`seal`), served
+by pipeline.py, and answered here: every failure becomes an OpenAI-style error with a
+status. The client's X-Request-Id is echoed; engines get an id of the proxy's own,
+unique and unguessable per request (`request_ids_for`).
 """
 
 from __future__ import annotations
@@ -16,9 +21,8 @@ import contextlib
 import hmac
 import logging
 import os
-import itertools
 import re
-import secrets
+import resource
 import time
 
 import aiohttp
@@ -26,18 +30,32 @@ import msgspec
 from aiohttp import web
 from pydantic import ValidationError
 
-from epd_serve.proxy.admission import Admission
+from epd_serve.proxy.admission import Admission, requests_for_descriptors
 from epd_serve.proxy.config import InstanceEntry, ProxyConfig
 from epd_serve.proxy.errors import ProxyError, bad_request
-from epd_serve.proxy.features import image_parts, image_url_of
-from epd_serve.proxy.guards import check_request
+from epd_serve.proxy.handoff import HANDOFFS
+from epd_serve.proxy.ids import random_hex
 from epd_serve.proxy.membership import Membership, load_roster
 from epd_serve.proxy.metrics import ProxyMetrics
 from epd_serve.proxy.pipeline import Pipeline, Request
 from epd_serve.proxy.remote_media import RemoteFetcher
+from epd_serve.proxy.request import ParsedRequest, parse_request
 from epd_serve.proxy.routing import Router, computing_hop, down_hops, eligible, plan_stages
 from epd_serve.proxy.state import InstanceTable
-from epd_serve.proxy.timeline import TraceStore, parse_otlp, timeline_of, trace_id_of
+from epd_serve.proxy.tenancy import (
+    INTERNAL_TOKEN_ENV,
+    Tenant,
+    Tenants,
+    bearer_token,
+    is_internal,
+)
+from epd_serve.proxy.timeline import (
+    TraceStore,
+    client_trace_id,
+    new_timeline_id,
+    parse_otlp,
+    timeline_of,
+)
 from epd_serve.proxy.trip import Trip
 from epd_serve.proxy.upstream import Upstream
 
@@ -48,11 +66,13 @@ STAGES_HEADER = "x-epd-stages"
 TRACE_HEADER = "x-epd-trace-id"  # the request's timeline: GET /v1/traces/{this id}
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,96}$")
 PROXY = web.AppKey("proxy", object)  # the running Proxy, for tests that look inside
+TENANT = web.RequestKey("tenant", Tenant)  # whose request it is (the door decides)
 GENERATE_ROUTES = ("/v1/chat/completions", "/v1/completions")
-# Engines answer /health and /metrics; instances call back /v1/metaserver and export
-# their spans to /v1/traces (POST; reading traces takes the key); launchers wait on /ready.
-OPEN_PATHS = {"/health", "/ready", "/metrics", "/v1/metaserver"}
-OPEN_POSTS = {"/v1/traces"}
+# Launchers wait on /ready, monitors read /health and /metrics: no key.
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+METASERVER = "/v1/metaserver/"
+# The largest report a decode instance posts to its metaserver URL (block ids).
+MAX_METASERVER_BODY = 1 << 20
 
 
 class Proxy:
@@ -66,37 +86,48 @@ class Proxy:
         self.metrics = ProxyMetrics()
         self.router = Router(lambda: self.table.instances, {
             "E": config.routing.E, "P": config.routing.P, "D": config.routing.D})
-        self.api_key = os.environ.get(config.api_key_env) if config.api_key_env else None
-        if config.api_key_env and not self.api_key:
-            # Asked for a key but given none: refuse to start rather than serve openly.
-            raise ValueError(f"proxy.api_key_env names {config.api_key_env}, which is not set "
-                             "in the proxy's environment")
+        # Asked for keys but given none: refuse to start rather than serve openly.
+        self.tenants = Tenants.from_env(config.api_key_env, config.tenant_isolation)
         self.admin_key = os.environ.get(config.admin_key_env) if config.admin_key_env else None
+        self.internal_token = os.environ.get(INTERNAL_TOKEN_ENV) or None
         self.fetcher = RemoteFetcher(config.limits) if config.limits.allow_remote_urls else None
-        self.admission = Admission(config.limits, self.metrics)
+        self.admission = Admission(config.limits, self.metrics, requests_for_descriptors(
+            config.limits, resource.getrlimit(resource.RLIMIT_NOFILE)[0]))
+        self.client_kv_keys = HANDOFFS[config.kv_protocol].allowed_client_keys(
+            config.fault_injection) if config.kv_protocol in HANDOFFS else frozenset()
         self.traces = TraceStore()
-        # Unique across restarts (a random prefix per process), cheap per request.
-        boot = secrets.token_hex(6)
-        self.request_ids = (f"epd-{boot}-{n}" for n in itertools.count())
         self.session: aiohttp.ClientSession | None = None
         self.pipeline: Pipeline | None = None
         self.membership: Membership | None = None
 
-    def request_ids_for(self, given: str) -> tuple[str, str]:
+    @staticmethod
+    def request_ids_for(given: str) -> tuple[str, str]:
         """(the id the client knows the request by, the id the engines get). Engines,
-        the KV hand-offs and their connectors key state by the second, so it is ours and
-        unique per request; a client's valid X-Request-Id leads it, so engine logs
-        still say whose request it was, and is what the answer and the log carry."""
-        own = next(self.request_ids)
+        the KV hand-offs and their connectors key state by the second, so it is ours,
+        unique per request, and unguessable (a client who saw its own cannot name
+        another's); a client's valid X-Request-Id leads it, so engine logs still say
+        whose request it was, and is what the answer and the log carry."""
+        own = f"epd-{random_hex(12)}"
         if not REQUEST_ID.match(given):
             return own, own
         return given, f"{given}-{own}"
 
+    def key_of(self, tenant: Tenant, parsed: ParsedRequest):
+        """The content key of each media item of `parsed`, in `tenant`'s namespace."""
+        model = self.config.model
+
+        def key(item) -> str:
+            modality = item.part_type if item.kind.embeddings else item.modality
+            return tenant.media_key(model, modality, parsed.hash_factors, item.payload())
+
+        return key
+
     async def start(self) -> None:
         # Drop idle connections before the instances do (uvicorn closes them after 5 s),
         # so a request is rarely sent on a connection that is being closed. No cap on
-        # connections here: admission.py caps the requests, and a per-connector cap would
-        # queue a hand-off's decode behind another request's prefill.
+        # connections here: admission.py caps the requests at what the process's open
+        # files carry, and a per-connector cap would queue a hand-off's decode behind
+        # another request's prefill (ascend-layerwise: decode waits on that prefill).
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0)
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10.0,
                                         sock_read=self.config.request_timeout_s)
@@ -116,14 +147,6 @@ class Proxy:
         await self.session.close()
 
 
-def _authorized(request: web.Request, key: str | None) -> bool:
-    if key is None:
-        return True
-    given = request.headers.get("authorization", "")
-    token = given[7:] if given.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
-    return hmac.compare_digest(token.encode(), key.encode())
-
-
 def _error_response(err: ProxyError) -> web.Response:
     headers = {"retry-after": "2"} if err.status == 503 else None
     return web.json_response(err.to_body(), status=err.status, headers=headers,
@@ -137,12 +160,7 @@ def create_app(config: ProxyConfig) -> web.Application:
     async def errors(request: web.Request, handler):
         """Every failure is an OpenAI-style error with a status; nothing escapes."""
         try:
-            admin_route = request.path.startswith("/instances") and request.method != "GET"
-            open_post = request.method == "POST" and request.path in OPEN_POSTS
-            if request.path not in OPEN_PATHS and not admin_route and not open_post \
-                    and not _authorized(request, proxy.api_key):
-                raise ProxyError(401, "missing or wrong API key (Authorization: Bearer ...)",
-                                 "authentication_error", reason="unauthorized")
+            guard(request)
             return await handler(request)
         except ProxyError as err:
             proxy.metrics.failures.labels(err.reason).inc()
@@ -150,12 +168,6 @@ def create_app(config: ProxyConfig) -> web.Application:
                 log.warning("%s %s -> %d: %s", request.method, request.path, err.status,
                             err.message)
             return _error_response(err)
-        except web.HTTPRequestEntityTooLarge:
-            proxy.metrics.failures.labels("body_too_large").inc()
-            return _error_response(bad_request(
-                f"request body is larger than {config.limits.max_body_bytes} bytes "
-                "(proxy.limits.max_body_bytes)",
-                "body_too_large", 413))
         except web.HTTPException:
             raise
         except Exception as err:  # a bug of ours: say so instead of dropping the request
@@ -163,6 +175,20 @@ def create_app(config: ProxyConfig) -> web.Application:
             proxy.metrics.failures.labels("internal").inc()
             return _error_response(ProxyError(500, f"proxy error: {type(err).__name__}: {err}",
                                               reason="internal"))
+
+    def guard(request: web.Request) -> None:
+        """The one door: who may call which route (401/403 otherwise)."""
+        path = request.path
+        if path in OPEN_PATHS or path.startswith(METASERVER):
+            return  # the metaserver URL is itself the secret (ascend_layerwise.py)
+        if path.startswith("/instances") and request.method != "GET":
+            return  # the handler asks for the admin key (or says registration is off)
+        if path == "/v1/traces" and request.method == "POST" and proxy.internal_token:
+            if not is_internal(request, proxy.internal_token):
+                raise ProxyError(401, "span exports take the deployment's internal token",
+                                 "authentication_error", reason="unauthorized")
+            return
+        request[TENANT] = proxy.tenants.authenticate(request)
 
     app = web.Application(client_max_size=config.limits.max_body_bytes,
                           middlewares=[errors])
@@ -176,38 +202,38 @@ def create_app(config: ProxyConfig) -> web.Application:
     app.cleanup_ctx.append(lifespan)
 
     async def generate(request: web.Request) -> web.StreamResponse:
-        # Admitted before the body is read: past the limits it is refused unread (503).
-        with proxy.admission.admit(request.content_length):
-            return await serve(request)
+        # A place is taken before the body is read: past the limits it is refused unread.
+        with proxy.admission.admit() as ticket:
+            return await serve(request, ticket)
 
-    async def serve(request: web.Request) -> web.StreamResponse:
+    async def serve(request: web.Request, ticket) -> web.StreamResponse:
         arrived = time.perf_counter()
         received_ns = time.time_ns()
-        raw = await request.read()
-        try:
-            body = msgspec.json.decode(raw)
-        except msgspec.DecodeError as err:
-            raise bad_request(f"request body is not valid JSON: {err}", "malformed") from None
-        pixels_by_url: dict[str, int] = {}
-        remote = check_request(body, request.path, config.limits, pixels_by_url)
-        if remote:
-            if proxy.fetcher is None:  # check_request refuses them: defence in depth
+        raw = await proxy.admission.read_body(request, ticket, config.limits.max_body_bytes)
+        parsed = parse_request(raw, request.path, config.limits, proxy.client_kv_keys)
+        del raw
+        downloads = parsed.downloads()
+        if downloads:
+            if proxy.fetcher is None:  # parse_request refuses them: defence in depth
                 raise bad_request("remote media URLs are off in this deployment",
                                   "remote_url_disabled")
-            await proxy.fetcher.inline(remote)
+            await proxy.fetcher.inline(downloads, ticket)
+        tenant = request[TENANT]
+        parsed.seal(proxy.key_of(tenant, parsed), tenant.cache_salt(parsed.client_salt))
         client_id, engine_id = proxy.request_ids_for(request.headers.get("x-request-id", ""))
-        req = Request(
-            path=request.path, body=body, request_id=engine_id,
-            image_pixels=_image_pixels(body, pixels_by_url), text_chars=_text_chars(body),
-            fault=request.headers.get("x-epd-fault"),
-            trace_id=trace_id_of(request.headers.get("traceparent")))
+        timeline_id = new_timeline_id()
+        req = Request(parsed, request_id=engine_id, fault=request.headers.get("x-epd-fault"),
+                      trace_id=client_trace_id(request.headers.get("traceparent"))
+                      or timeline_id)
         metrics = proxy.metrics
         trip: Trip | None = None
+        stages = None  # x-epd-stages as answered; a stream's grows until its end
         status = 500
         try:
             trip, result = await proxy.pipeline.run(req)
-            headers = {STAGES_HEADER: trip.header(), "x-request-id": client_id,
-                       TRACE_HEADER: req.trace_id}
+            stages = trip.header()
+            headers = {STAGES_HEADER: stages, "x-request-id": client_id,
+                       TRACE_HEADER: timeline_id}
             if not req.stream:
                 status = 200
                 _observe_transfer(metrics, trip)
@@ -226,46 +252,65 @@ def create_app(config: ProxyConfig) -> web.Application:
             raise
         finally:
             modality = "multimodal" if trip and trip.multimodal else "text"
-            metrics.requests.labels(modality, str(status)).inc()
+            metrics.child(metrics.requests, modality, str(status)).inc()
             if trip is not None:
-                proxy.traces.add(timeline_of(trip, client_id, status, received_ns))
+                proxy.traces.add(timeline_of(trip, timeline_id, tenant.name, client_id,
+                                             status, received_ns))
+                if stages is None or req.stream:  # a stream's hops have ended since
+                    stages = trip.header()
             request_log.info(msgspec.json.encode({
                 "request_id": client_id, "engine_request_id": engine_id,
-                "path": req.path, "status": status,
+                "tenant": tenant.name, "path": req.path, "status": status,
                 "stream": req.stream, "modality": modality,
-                "stages": trip.header() if trip else "", "retries": trip.retries if trip else 0,
+                "stages": stages or "", "retries": trip.retries if trip else 0,
                 "ms": round((time.perf_counter() - arrived) * 1e3, 2)}).decode())
 
     async def metaserver(request: web.Request) -> web.Response:
-        """Decode instances of the ascend-layerwise hand-off report their blocks here."""
+        """Decode instances of the ascend-layerwise hand-off report their blocks here,
+        each at the URL made for its request. Nothing is read from a caller without such
+        a URL; the report is not counted in admission, since every request in flight
+        may be waiting for its own."""
+        token = request.match_info["token"]
+        handoff = proxy.pipeline.handoff
+        if not handoff.expects_report(token):
+            raise ProxyError(404, "no request is waiting for its blocks at this metaserver "
+                             "URL", "invalid_request_error", reason="unknown_metaserver")
+        if request.content_length is None or request.content_length > MAX_METASERVER_BODY:
+            raise bad_request(f"a metaserver report takes a Content-Length of at most "
+                              f"{MAX_METASERVER_BODY} bytes", "body_too_large", 413)
         try:
             body = msgspec.json.decode(await request.read())
         except msgspec.DecodeError:
             raise bad_request("metaserver body is not JSON", "malformed") from None
         if not isinstance(body, dict):
             raise bad_request("metaserver body must be a JSON object", "malformed")
-        return web.json_response(await proxy.pipeline.handoff.metaserver(body))
+        return web.json_response(await handoff.metaserver(token, body))
 
     async def receive_spans(request: web.Request) -> web.Response:
-        """OTLP/HTTP (protobuf) trace export: the engines' spans of our requests."""
+        """OTLP/HTTP (protobuf) trace export: the engines' spans of our requests. Counted
+        like a request (admission), parsed on a worker thread."""
         if request.content_type != "application/x-protobuf":
             raise bad_request("OTLP traces are taken as application/x-protobuf "
                               "(OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf)",
                               "malformed", 415)
-        try:
-            spans = parse_otlp(await request.read())
-        except Exception as err:  # protobuf's DecodeError and friends
-            raise bad_request(f"not an OTLP trace export: {type(err).__name__}: {err}",
-                              "malformed") from None
+        with proxy.admission.admit() as ticket:
+            raw = await proxy.admission.read_body(request, ticket,
+                                                  config.limits.max_trace_body_bytes)
+            try:
+                spans = await asyncio.to_thread(parse_otlp, bytes(raw))
+            except Exception as err:  # protobuf's DecodeError and friends
+                raise bad_request(f"not an OTLP trace export: {type(err).__name__}: {err}",
+                                  "malformed") from None
         proxy.traces.add_engine_spans(spans)
         return web.Response(body=b"", content_type="application/x-protobuf")
 
     async def get_trace(request: web.Request) -> web.Response:
         key = request.match_info["id"]
-        timeline = proxy.traces.get(key)
+        timeline = proxy.traces.get(key, request[TENANT].name)
         if timeline is None:
             raise ProxyError(404, f"no timeline of {key!r}: the proxy keeps the last "
-                             f"{proxy.traces.capacity} requests' (by trace or request id)",
+                             f"{proxy.traces.capacity} requests' (by x-epd-trace-id, or by "
+                             "request id), each readable with its own API key",
                              "invalid_request_error", reason="unknown_trace")
         return web.json_response(timeline.to_dict())
 
@@ -276,7 +321,7 @@ def create_app(config: ProxyConfig) -> web.Application:
             raise bad_request("last: a whole number of requests", "malformed") from None
         return web.json_response([
             {k: v for k, v in t.to_dict().items() if k != "spans"}
-            for t in proxy.traces.recent(max(0, last))])
+            for t in proxy.traces.recent(max(0, last), request[TENANT].name)])
 
     async def models(request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [
@@ -329,7 +374,7 @@ def create_app(config: ProxyConfig) -> web.Application:
             raise ProxyError(403, f"instance registration is off: set {config.admin_key_env} "
                              "in the proxy's environment to enable it", "permission_error",
                              reason="admin_disabled")
-        if not _authorized(request, proxy.admin_key):
+        if not hmac.compare_digest(bearer_token(request).encode(), proxy.admin_key.encode()):
             raise ProxyError(401, "missing or wrong admin key", "authentication_error",
                              reason="unauthorized")
 
@@ -363,7 +408,7 @@ def create_app(config: ProxyConfig) -> web.Application:
 
     for path in GENERATE_ROUTES:
         app.router.add_post(path, generate)
-    app.router.add_post("/v1/metaserver", metaserver)
+    app.router.add_post(METASERVER + "{token}", metaserver)
     app.router.add_post("/v1/traces", receive_spans)
     app.router.add_get("/v1/traces", recent_traces)
     app.router.add_get("/v1/traces/{id}", get_trace)
@@ -399,9 +444,10 @@ async def _relay(request: web.Request, response: web.StreamResponse, stream, met
     final = next((s.instance for s in reversed(trip.stages)
                   if s.stage == trip.final_hop and not s.failed), "?")
     if first is not None:
-        metrics.first_token_seconds.labels(final).observe(first - arrived)
+        metrics.child(metrics.first_token_seconds, final).observe(first - arrived)
         if events > 2:  # the last event is [DONE]
-            metrics.token_seconds.labels(final).observe((last - first) / (events - 2))
+            metrics.child(metrics.token_seconds, final).observe(
+                (last - first) / (events - 2))
 
 
 def _observe_transfer(metrics: ProxyMetrics, trip: Trip) -> None:
@@ -409,27 +455,4 @@ def _observe_transfer(metrics: ProxyMetrics, trip: Trip) -> None:
     transfer_ms = (trip.kv or {}).get("transfer_ms")
     decode = next((s.instance for s in trip.stages if s.stage == "D" and not s.failed), None)
     if isinstance(transfer_ms, (int, float)) and decode:
-        metrics.transfer_seconds.labels(decode).observe(transfer_ms / 1e3)
-
-
-def _image_pixels(body: dict, pixels_by_url: dict[str, int]) -> list[int]:
-    """Pixels of each image_url part (0 where unknown), as the guards found them."""
-    pixels = []
-    for part in image_parts(body):
-        pixels.append(pixels_by_url.get(image_url_of(part), 0))
-    return pixels
-
-
-def _text_chars(body: dict) -> int:
-    prompt = body.get("prompt")
-    if prompt is not None:
-        return len(prompt) * (4 if isinstance(prompt, list) and prompt
-                              and isinstance(prompt[0], int) else 1)
-    chars = 0
-    for message in body.get("messages") or ():
-        content = message.get("content")
-        if isinstance(content, str):
-            chars += len(content)
-        elif isinstance(content, list):
-            chars += sum(len(p.get("text") or "") for p in content if p.get("type") == "text")
-    return chars
+        metrics.child(metrics.transfer_seconds, decode).observe(transfer_ms / 1e3)

@@ -111,7 +111,13 @@ class ProxySettings(BaseModel):
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
     limits: Limits = Field(default_factory=Limits)
     api_key_env: str | None = Field(None, description="Environment variable holding the key "
-                                    "clients must send (Authorization: Bearer); none: open.")
+                                    "clients must send (Authorization: Bearer), or several "
+                                    "separated by commas, one per tenant; none: open.")
+    tenant_isolation: bool | None = Field(
+        None, description="Requests of different API keys share no prefix-cache block and "
+        "no MM Store entry (each key's cache salt and media keys differ); default: on where "
+        "api_key_env is set. Costs what sharing would save: a prompt prefix or image two "
+        "tenants both send is computed once per tenant.")
     admin_key_env: str = Field("EPD_ADMIN_KEY", description="Environment variable holding the "
                                "key for /instances changes; unset: registration is off.")
     request_timeout_s: float = Field(600.0, gt=0)

@@ -1,7 +1,7 @@
 """The images of a request as the MM Store sees them (runs in the proxy process).
 
-Each image gets a content key that E, P, D and the store agree on: the proxy sets it as
-the image's `uuid`, which vLLM then uses as the feature's hash. After the encoder (or
+Each image has the proxy's content key (request.py, tenancy.py), which E, P, D and the
+store agree on: it is the image's `uuid`, which vLLM then uses as the feature's hash. After the encoder (or
 the store, for an image seen before) has the feature, prefill and decode are sent a
 reference instead of the pixels: an `image_embeds` part holding only the placeholder
 metadata the encoder published (the image grid) plus the `uuid`, so they neither
@@ -19,81 +19,32 @@ import logging
 import threading
 
 import msgspec
-import xxhash
 import zmq
 
 from epd_serve.mmstore import FeatureStore, StoreError, StoreSpec, open_store
+from epd_serve.proxy.request import ParsedRequest, with_parts
 
 log = logging.getLogger("epd_serve.proxy.features")
 
 
-def all_parts(body: dict) -> list[dict]:
-    """Every content part of the request's messages, in prompt order."""
-    parts = []
-    for message in body.get("messages") or []:
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, list):
-            parts += [p for p in content if isinstance(p, dict)]
-    return parts
-
-
-def image_parts(body: dict) -> list[dict]:
-    """The request's `image_url` parts, in prompt order."""
-    return [p for p in all_parts(body) if p.get("type") == "image_url"]
-
-
-def image_key(model: str, url: str) -> str:
-    """Content key of one image: the same bytes give the same key on every proxy."""
-    return xxhash.xxh3_128_hexdigest(f"{model}\0{url}".encode())
-
-
-def image_url_of(part: dict) -> str | None:
-    """The URL of an image_url part, given as {"url": ...} or as the string itself."""
-    image_url = part.get("image_url")
-    url = image_url.get("url") if isinstance(image_url, dict) else image_url
-    return url if isinstance(url, str) else None
-
-
-def _replace_images(body: dict, replace) -> dict:
-    """A copy of `body` whose image parts are `replace(index, part)`; only the messages
-    and content lists on the way to an image are copied, never the rest of the body."""
-    index = 0
-    messages = []
-    for message in body.get("messages") or []:
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "image_url"
-                                             for p in content):
-            new_content = []
-            for part in content:
-                if isinstance(part, dict) and part.get("type") == "image_url":
-                    part = replace(index, part)
-                    index += 1
-                new_content.append(part)
-            message = {**message, "content": new_content}
-        messages.append(message)
-    return {**body, "messages": messages}
-
-
-# Request fields an encoder needs besides the images: they change the feature.
-ENCODER_FIELDS = ("model", "mm_processor_kwargs")
+# Request fields an encoder needs besides the images: they change the feature (or, the
+# salt, which requests may share what the encoder caches).
+ENCODER_FIELDS = ("model", "mm_processor_kwargs", "media_io_kwargs", "cache_salt")
 
 
 class Images:
     """One request's images: keys, the bodies each stage gets, what the encoders said."""
 
-    def __init__(self, body: dict, model: str):
-        self.keys: list[str] = []
-        for part in image_parts(body):
-            url = image_url_of(part)
-            if url is None:
-                raise ValueError("an image_url part has no url")
-            self.keys.append(image_key(model, url))
-        # The request with its pixels, each image tagged with its key (the client's body
-        # is not changed): what the encoders take, and what prefill and decode get when
-        # they are sent no reference (they then load the stored feature under the key,
-        # or encode the image themselves).
-        self.pixel_body = _replace_images(body, lambda i, part: {**part, "uuid": self.keys[i]})
-        self.parts = image_parts(self.pixel_body)
+    def __init__(self, parsed: ParsedRequest):
+        items = parsed.images
+        self._positions = [(item.message, item.part) for item in items]
+        self.keys: list[str] = [item.key for item in items]
+        # The request with its pixels, each image tagged with its key (request.py): what
+        # the encoders take, and what prefill and decode get when they are sent no
+        # reference (they then load the stored feature under the key, or encode the
+        # image themselves).
+        self.pixel_body = parsed.sent
+        self.parts = [item.sent_part() for item in items]
         # key -> placeholder metadata (e.g. image_grid_thw), as the encoder published it
         self.placeholders: dict[str, dict] = {}
         self.ec_params: dict = {}  # every encoder's ec_transfer_params, merged
@@ -129,9 +80,10 @@ class Images:
 
     def reference_body(self) -> dict:
         """The request with every image replaced by a reference to its stored feature."""
-        return _replace_images(self.pixel_body, lambda i, part: {
-            "type": "image_embeds", "image_embeds": self.placeholders[self.keys[i]],
-            "uuid": self.keys[i]})
+        return with_parts(self.pixel_body, {
+            position: {"type": "image_embeds", "image_embeds": self.placeholders[key],
+                       "uuid": key}
+            for position, key in zip(self._positions, self.keys)})
 
 
 class FeatureDirectory:

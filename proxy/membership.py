@@ -25,6 +25,7 @@ from epd_serve.proxy.config import InstanceEntry, ProxyConfig
 from epd_serve.proxy.metrics import ProxyMetrics
 from epd_serve.proxy.routing import eligible
 from epd_serve.proxy.state import HOPS, EngineLoad, InstanceState, InstanceTable, serves
+from epd_serve.proxy.upstream import connect_failure
 
 log = logging.getLogger("epd_serve.proxy.membership")
 
@@ -150,10 +151,12 @@ class Membership:
                 ok = resp.status == 200
                 if not ok:
                     inst.last_error = f"health: HTTP {resp.status}"
-        except (aiohttp.ClientConnectorError, ConnectionRefusedError) as err:
-            ok, refused = False, True
-            inst.last_error = f"health: {type(err).__name__}"
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as err:
+            failure = connect_failure(err)
+            if failure == "local":  # the proxy's own limit: says nothing of the instance
+                log.warning("probe of %s not sent: %s", inst.name, err)
+                return
+            refused = failure == "refused"
             ok = False
             inst.last_error = f"health: {type(err).__name__}"
         if inst.draining:

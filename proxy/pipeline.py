@@ -28,7 +28,7 @@ from epd_serve.mmstore import StoreSpec
 from epd_serve.proxy.config import ProxyConfig
 from epd_serve.proxy.encoding import Encoder, NoEncoder
 from epd_serve.proxy.errors import ProxyError
-from epd_serve.proxy.features import FeatureDirectory, Images, all_parts
+from epd_serve.proxy.features import FeatureDirectory, Images
 from epd_serve.proxy.handoff import make_handoff
 from epd_serve.proxy.routing import (
     Router,
@@ -39,13 +39,11 @@ from epd_serve.proxy.routing import (
     plan_stages,
     with_stand_in,
 )
+from epd_serve.proxy.request import ParsedRequest
 from epd_serve.proxy.state import InstanceTable
 from epd_serve.proxy.trip import StageRecord, Trip
 from epd_serve.proxy.upstream import Upstream
 
-IMAGE_PARTS = {"image_url"}
-OTHER_MEDIA_PARTS = {"image", "input_image", "video_url", "video", "input_audio", "audio_url",
-                     "image_embeds"}
 # Qwen-VL: one prompt token per 28x28 pixels after the 2x2 merge; text: ~4 chars a token.
 PIXELS_PER_TOKEN = 28 * 28
 CHARS_PER_TOKEN = 4
@@ -55,19 +53,24 @@ __all__ = ["Pipeline", "Request"]
 
 @dataclasses.dataclass
 class Request:
-    """A request the guards admitted."""
+    """A request admitted, parsed and sealed (request.py): every media part keyed."""
 
-    path: str
-    body: dict
+    parsed: ParsedRequest
     request_id: str  # what the engines get: unique per request (app.request_ids_for)
-    image_pixels: list[int]  # per image_url part, in prompt order (0: unknown)
-    text_chars: int
     fault: str | None = None
-    trace_id: str = ""  # W3C trace id of the request's timeline (timeline.py)
+    trace_id: str = ""  # W3C trace id every hop sends (timeline.py)
+
+    @property
+    def path(self) -> str:
+        return self.parsed.path
+
+    @property
+    def body(self) -> dict:
+        return self.parsed.sent
 
     @property
     def stream(self) -> bool:
-        return bool(self.body.get("stream"))
+        return self.parsed.stream
 
 
 @dataclasses.dataclass
@@ -88,13 +91,6 @@ def whole_request(body: dict, hop: str) -> dict:
     drop = ("kv_transfer_params", "ec_transfer_params") if hop == "D" \
         else ("kv_transfer_params",)
     return {k: v for k, v in body.items() if k not in drop}
-
-
-def media_kinds(body: dict) -> tuple[int, bool]:
-    """(image_url parts, whether other media parts are present) of a chat request."""
-    kinds = [part.get("type") for part in all_parts(body)]
-    return (sum(kind in IMAGE_PARTS for kind in kinds),
-            any(kind in OTHER_MEDIA_PARTS for kind in kinds))
 
 
 class Pipeline:
@@ -118,11 +114,14 @@ class Pipeline:
 
     async def run(self, req: Request) -> tuple[Trip, dict | AsyncIterator[bytes]]:
         """Serve the request: the JSON answer, or the stream to relay."""
-        n_images, other_media = media_kinds(req.body)
-        tokens = req.text_chars / CHARS_PER_TOKEN + sum(req.image_pixels) / PIXELS_PER_TOKEN
-        trip = Trip(req.request_id, multimodal=bool(n_images or other_media),
+        parsed = req.parsed
+        image_items = parsed.images
+        n_images, other_media = len(image_items), parsed.other_media
+        tokens = (parsed.text_chars / CHARS_PER_TOKEN
+                  + sum(i.pixels for i in image_items) / PIXELS_PER_TOKEN)
+        trip = Trip(req.request_id, multimodal=bool(parsed.media),
                     route=RouteRequest(cost=max(1.0, tokens)), trace_id=req.trace_id)
-        images = Images(req.body, self.config.model) if n_images else None
+        images = Images(parsed) if n_images else None
         stored = await self._stored(images)
         plan = plan_stages(n_images, stored, other_media, self.table.roster, self._down(),
                            self.stand_in)
@@ -177,7 +176,7 @@ class Pipeline:
                 return Prepared({**pixel_body, "ec_transfer_params": params} if params
                                 else pixel_body)
             if plan.encode:
-                sizes = [float(p or 1) for p in req.image_pixels]
+                sizes = [float(i.pixels or 1) for i in req.parsed.images]
                 await self.encoder.encode_images(req.path, images, list(plan.encode), sizes,
                                                  trip)
             else:

@@ -1,12 +1,16 @@
 """Downloading a request's remote media, once, from public addresses only.
 
 Used by the proxy's app only when the deployment sets `limits.allow_remote_urls`:
-`RemoteFetcher.inline` takes the `RemoteMedia` items guards.check_request returned,
+`RemoteFetcher.inline` takes a parsed request's remote media items (request.py),
 downloads each distinct URL once, refuses targets that are not public internet
 addresses (checked on the address the connection actually uses, so DNS rebinding does
 not help; redirects are followed by hand and checked again), runs guards' image checks
-on the bytes, and rewrites each part to a data: URL, so no instance fetches anything.
-Every refusal is a 400/413 ProxyError with a reason label.
+on the bytes, and turns each item's URL into a data: URL, so no instance fetches
+anything. Every kind of media counts alike: at most `max_fetches_in_flight` downloads
+run at once in the whole proxy, one request downloads at most
+`max_fetched_bytes_per_request` in all, and what is downloaded counts against the
+proxy's byte budget (admission.py) as it arrives. Every refusal is a 400/413
+ProxyError with a reason label.
 """
 
 from __future__ import annotations
@@ -19,15 +23,18 @@ from urllib.parse import urljoin, urlsplit
 import aiohttp
 from aiohttp.abc import AbstractResolver, ResolveResult
 
+from epd_serve.proxy.admission import Ticket
 from epd_serve.proxy.errors import ProxyError, bad_request
-from epd_serve.proxy.guards import Limits, RemoteMedia, _http_host, check_image_bytes
+from epd_serve.proxy.guards import Limits, check_image_bytes, http_host
+from epd_serve.proxy.request import MediaItem
 
 try:
     from pybase64 import b64encode  # vLLM's, much faster than the standard library's
 except ImportError:  # pragma: no cover
     from base64 import b64encode
 
-__all__ = ["ForbiddenAddress", "PublicAddressResolver", "RemoteFetcher", "is_public_address"]
+__all__ = ["DownloadBudget", "ForbiddenAddress", "PublicAddressResolver", "RemoteFetcher",
+           "is_public_address"]
 
 # Redirects are followed by hand, at most this many, so that every hop's target goes
 # through the same scheme and address checks as the URL the client sent.
@@ -98,6 +105,26 @@ class PublicAddressResolver(AbstractResolver):
             await self._inner.close()
 
 
+class DownloadBudget:
+    """What one request may still download: its own cap, and the proxy's byte budget
+    through the request's admission ticket (none in tests that fetch alone)."""
+
+    def __init__(self, max_bytes: int, ticket: Ticket | None = None):
+        self.left = max_bytes
+        self.max_bytes = max_bytes
+        self.ticket = ticket
+
+    def take(self, size: int, where: str) -> None:
+        if size > self.left:
+            raise bad_request(f"{where}: the request's remote media come to more than this "
+                              f"deployment downloads for one request ({self.max_bytes} bytes, "
+                              "proxy.limits.max_fetched_bytes_per_request)",
+                              "media_too_large", status=413)
+        self.left -= size
+        if self.ticket is not None:
+            self.ticket.charge(size)
+
+
 class RemoteFetcher:
     """Downloads a request's remote media and inlines it as data: URLs.
 
@@ -112,6 +139,8 @@ class RemoteFetcher:
         self._inner_resolver = resolver  # tests inject a fake DNS here
         self._resolver: PublicAddressResolver | None = None
         self._session: aiohttp.ClientSession | None = None
+        # Downloads at once, whole proxy: the rest wait their turn.
+        self._slots = asyncio.Semaphore(limits.max_fetches_in_flight)
 
     def _client(self) -> aiohttp.ClientSession:
         # Made on first use: aiohttp sessions belong to the running event loop.
@@ -136,14 +165,15 @@ class RemoteFetcher:
         if resolver is not None:  # handed to the connector, so not closed by it
             await resolver.close()
 
-    async def inline(self, items: list[RemoteMedia]) -> None:
-        """Download every item's URL (each distinct URL once, all concurrently), check
-        it, and rewrite its part to a data: URL. Raises ProxyError (400/413) for the
-        first failure; the others are then cancelled."""
-        groups: dict[tuple[str, str], list[RemoteMedia]] = {}
+    async def inline(self, items: list[MediaItem], ticket: Ticket | None = None) -> None:
+        """Download every item's URL (each distinct URL once, all concurrently, within
+        the proxy's download slots), check it, and make it the item's data: URL. Raises
+        ProxyError (400/413) for the first failure; the others are then cancelled."""
+        budget = DownloadBudget(self.limits.max_fetched_bytes_per_request, ticket)
+        groups: dict[tuple[str, str], list[MediaItem]] = {}
         for item in items:
             groups.setdefault((item.modality, item.url), []).append(item)
-        tasks = [asyncio.create_task(self._inline_group(group))
+        tasks = [asyncio.create_task(self._inline_group(group, budget))
                  for group in groups.values()]
         try:
             await asyncio.gather(*tasks)
@@ -153,18 +183,20 @@ class RemoteFetcher:
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
 
-    async def _inline_group(self, group: list[RemoteMedia]) -> None:
+    async def _inline_group(self, group: list[MediaItem], budget: DownloadBudget) -> None:
         first = group[0]
-        data_url = await self.fetch_data_url(first.url, first.modality, first.where)
+        data_url = await self.fetch_data_url(first.url, first.modality, first.where, budget)
         for item in group:
-            item.holder[item.key] = data_url
+            item.url = data_url
 
-    async def fetch_data_url(self, url: str, modality: str, where: str = "media") -> str:
+    async def fetch_data_url(self, url: str, modality: str, where: str = "media",
+                             budget: DownloadBudget | None = None) -> str:
         """The checked content of one remote URL as a data: URL."""
         host = _host_for_messages(url)
+        budget = budget or DownloadBudget(self.limits.max_fetched_bytes_per_request)
         try:
             raw, content_type = await asyncio.wait_for(
-                self._download(url, modality, where), self.limits.fetch_timeout_s)
+                self._download(url, modality, where, budget), self.limits.fetch_timeout_s)
         except ProxyError:
             raise
         except (asyncio.TimeoutError, TimeoutError):
@@ -182,10 +214,16 @@ class RemoteFetcher:
             mime = content_type if "/" in content_type else "application/octet-stream"
         return f"data:{mime};base64,{b64encode(raw).decode('ascii')}"
 
-    async def _download(self, url: str, modality: str, where: str) -> tuple[bytes, str]:
+    async def _download(self, url: str, modality: str, where: str,
+                        budget: DownloadBudget) -> tuple[bytes, str]:
+        async with self._slots:
+            return await self._download_in_slot(url, modality, where, budget)
+
+    async def _download_in_slot(self, url: str, modality: str, where: str,
+                                budget: DownloadBudget) -> tuple[bytes, str]:
         session = self._client()
         for _ in range(MAX_REDIRECTS + 1):
-            host = _http_host(url, where)
+            host = http_host(url, where)
             self._check_literal_address(host, where)
             async with session.get(url, allow_redirects=False,
                                    headers={"Accept-Encoding": "identity"}) as response:
@@ -193,7 +231,7 @@ class RemoteFetcher:
                     url = self._redirect_target(response, host, where)
                     continue
                 return await self._read_body(response, host, where,
-                                             self._size_cap(modality, host, where))
+                                             self._size_cap(modality, host, where), budget)
         raise bad_request(f"{where}: {host} redirected more than {MAX_REDIRECTS} times",
                           "fetch_failed")
 
@@ -227,7 +265,8 @@ class RemoteFetcher:
 
     @staticmethod
     async def _read_body(response: aiohttp.ClientResponse, host: str, where: str,
-                         size_cap: tuple[int, ProxyError]) -> tuple[bytes, str]:
+                         size_cap: tuple[int, ProxyError],
+                         budget: DownloadBudget) -> tuple[bytes, str]:
         if response.status != 200:
             raise bad_request(f"{where}: {host} answered HTTP {response.status}",
                               "fetch_failed")
@@ -240,9 +279,10 @@ class RemoteFetcher:
             raise too_large
         body = bytearray()
         async for chunk in response.content.iter_chunked(_READ_CHUNK):
-            body += chunk
-            if len(body) > max_bytes:
+            if len(body) + len(chunk) > max_bytes:
                 raise too_large
+            budget.take(len(chunk), where)
+            body += chunk
         return bytes(body), response.content_type
 
 

@@ -1,15 +1,18 @@
 """Where a request's time went: its timeline across the proxy and the instances.
 
-Runs inside the proxy process. Each request carries one W3C trace id (the client's
-`traceparent`, or a new one), and every hop sends the engine a `traceparent` naming
-that trace and the hop as parent. The proxy records its own spans from the trip
-(received, each hop's send / first byte / done, the tokens it relayed); the engines
-export theirs over OTLP/HTTP (vLLM's `--otlp-traces-endpoint`) to the proxy's own
-`/v1/traces`, so spans are collected here, on the host, with no outside service.
-`TraceStore` keeps the last requests' timelines; `epd-serve trace` and the load tool
-read them from `/v1/traces/{id}` as JSON:
+Runs inside the proxy process. Each request's timeline has an id the proxy issues
+(`x-epd-trace-id`), and a W3C trace id that every hop sends the engine as its
+`traceparent`, naming the hop as parent: the client's, when it sent a valid
+`traceparent` (propagated, so its own tracing sees the engines' spans), else the
+timeline's id. The proxy records its own spans from the trip (received, each hop's
+send / first byte / done, the tokens it relayed); the engines export theirs over
+OTLP/HTTP (vLLM's `--otlp-traces-endpoint`) to the proxy's own `/v1/traces`, with the
+deployment's internal token, and each span is filed under the request whose hop is its
+parent, so two requests that share a client's trace id never share a timeline.
+`TraceStore` keeps the last requests' timelines in bounded memory; `epd-serve trace` and
+the load tool read them from `/v1/traces/{id}` as JSON:
 
-    {"trace_id", "request_id", "engine_request_id", "status", "start_ns", "end_ns",
+    {"id", "trace_id", "request_id", "engine_request_id", "status", "start_ns", "end_ns",
      "spans": [{"name", "source", "start_ns", "end_ns", "span_id", "parent_id",
                 "attrs", "events": [[name, ns], ...]}, ...]}
 
@@ -22,9 +25,10 @@ from __future__ import annotations
 import collections
 import dataclasses
 import re
-import secrets
 import time
 from typing import TYPE_CHECKING, Any
+
+from epd_serve.proxy.ids import random_hex
 
 if TYPE_CHECKING:
     from epd_serve.proxy.trip import Trip
@@ -37,20 +41,24 @@ PREFILL = "gen_ai.latency.time_in_model_prefill"
 DECODE = "gen_ai.latency.time_in_model_decode"
 FIRST_TOKEN = "gen_ai.latency.time_to_first_token"
 
-__all__ = ["Span", "Timeline", "TraceStore", "engine_phases", "hop_traceparent",
-           "new_span_id", "parse_otlp", "timeline_of", "trace_id_of"]
+__all__ = ["Span", "Timeline", "TraceStore", "client_trace_id", "engine_phases",
+           "hop_traceparent", "new_span_id", "new_timeline_id", "parse_otlp", "timeline_of"]
 
 
 def new_span_id() -> str:
-    return secrets.token_hex(8)
+    return random_hex(8)
 
 
-def trace_id_of(header: str | None) -> str:
-    """The trace id of a client's valid `traceparent`, else a new one."""
+def new_timeline_id() -> str:
+    return random_hex(16)  # the shape of a W3C trace id, so it can serve as one
+
+
+def client_trace_id(header: str | None) -> str | None:
+    """The trace id of a client's valid `traceparent`, else None."""
     match = TRACEPARENT.match((header or "").strip().lower())
     if match and match[1] != "0" * 32:
         return match[1]
-    return secrets.token_hex(16)
+    return None
 
 
 def hop_traceparent(trace_id: str, span_id: str) -> str:
@@ -71,16 +79,24 @@ class Span:
 
 @dataclasses.dataclass
 class Timeline:
+    id: str  # issued by the proxy, one per request
     trace_id: str
-    request_id: str
+    request_id: str  # the client's
     engine_request_id: str
     start_ns: int
     end_ns: int = 0
     status: int = 0
     spans: list[Span] = dataclasses.field(default_factory=list)
+    tenant: str = ""  # whose request it is: only that tenant reads it
+    engine_spans: int = 0  # how many of `spans` engines exported
+
+    def hop_span_ids(self) -> list[str]:
+        """The proxy's hop spans, which the engines' spans name as their parent."""
+        return [s.span_id for s in self.spans if s.source == "proxy" and s.span_id]
 
     def to_dict(self) -> dict:
-        out = dataclasses.asdict(self)
+        out = {k: v for k, v in dataclasses.asdict(self).items()
+               if k not in ("tenant", "engine_spans")}
         out["spans"] = sorted(out["spans"], key=lambda s: (s["start_ns"], s["end_ns"]))
         return out
 
@@ -140,63 +156,103 @@ def _attributes(key_values, to_dict) -> dict[str, Any]:
 
 
 class TraceStore:
-    """The timelines of the last `capacity` requests, found by trace id, the client's
-    request id or the engines' request id. Engine spans that arrive before their
-    request has ended wait (a bounded number of them) until it does."""
+    """The timelines of the last `capacity` requests, found by the id the proxy issued,
+    the engines' request id, or (within its tenant) the client's request id. Engine
+    spans are filed under the request whose hop is their parent; those whose request has
+    not ended yet wait, at most `max_waiting` of them (the oldest are dropped first), and
+    a timeline holds at most `max_spans` engine spans. Evicting a timeline forgets every
+    way to it, so memory stays bounded whatever ids clients send."""
 
-    def __init__(self, capacity: int = 2000):
+    def __init__(self, capacity: int = 2000, max_waiting: int = 20_000, max_spans: int = 512):
         self.capacity = capacity
+        self.max_waiting = max_waiting
+        self.max_spans = max_spans
         self._timelines: collections.OrderedDict[str, Timeline] = collections.OrderedDict()
-        self._by_request: dict[str, str] = {}
-        self._early: collections.OrderedDict[str, list[Span]] = collections.OrderedDict()
+        self._by_engine_id: dict[str, str] = {}
+        self._by_client_id: dict[tuple[str, str], str] = {}  # (tenant, client's id)
+        self._by_hop: dict[str, str] = {}  # hop span id -> timeline id
+        self._waiting: collections.OrderedDict[str, list[Span]] = collections.OrderedDict()
+        self._waiting_spans = 0
+        self.dropped_spans = 0  # past the limits, or naming no hop of ours
 
     def __len__(self) -> int:
         return len(self._timelines)
 
     def add(self, timeline: Timeline) -> None:
-        timeline.spans += self._early.pop(timeline.trace_id, [])
-        self._timelines[timeline.trace_id] = timeline
-        self._by_request[timeline.request_id] = timeline.trace_id
-        self._by_request[timeline.engine_request_id] = timeline.trace_id
+        for hop in timeline.hop_span_ids():
+            self._by_hop[hop] = timeline.id
+            waiting = self._waiting.pop(hop, [])
+            self._waiting_spans -= len(waiting)
+            self._attach(timeline, waiting)
+        self._timelines[timeline.id] = timeline
+        self._by_engine_id[timeline.engine_request_id] = timeline.id
+        self._by_client_id[timeline.tenant, timeline.request_id] = timeline.id
         while len(self._timelines) > self.capacity:
-            _, old = self._timelines.popitem(last=False)
-            for key in (old.request_id, old.engine_request_id):
-                if self._by_request.get(key) == old.trace_id:
-                    del self._by_request[key]
+            self._forget(self._timelines.popitem(last=False)[1])
+
+    def _forget(self, old: Timeline) -> None:
+        for hop in old.hop_span_ids():
+            self._by_hop.pop(hop, None)
+        if self._by_engine_id.get(old.engine_request_id) == old.id:
+            del self._by_engine_id[old.engine_request_id]
+        if self._by_client_id.get((old.tenant, old.request_id)) == old.id:
+            del self._by_client_id[old.tenant, old.request_id]
+
+    def _attach(self, timeline: Timeline, spans: list[Span]) -> None:
+        room = max(0, self.max_spans - timeline.engine_spans)
+        self.dropped_spans += max(0, len(spans) - room)
+        timeline.spans += spans[:room]
+        timeline.engine_spans += min(room, len(spans))
 
     def add_engine_spans(self, spans: list[tuple[str, Span]]) -> int:
-        """File spans an engine exported; returns how many belong to a known request
-        (the others wait for their request to end, or are dropped past the limit)."""
+        """File spans an engine exported; returns how many joined an ended request (the
+        others wait for theirs to end, or are dropped past the limits)."""
         known = 0
-        for trace_id, span in spans:
+        for _trace_id, span in spans:
             pieces = [span, *engine_phases(span)]
-            timeline = self._timelines.get(trace_id)
+            timeline = self._timelines.get(self._by_hop.get(span.parent_id, ""))
             if timeline is not None:
-                timeline.spans += pieces
+                self._attach(timeline, pieces)
                 known += 1
                 continue
-            self._early.setdefault(trace_id, []).extend(pieces)
-            while len(self._early) > self.capacity:
-                self._early.popitem(last=False)
+            if not span.parent_id:
+                self.dropped_spans += len(pieces)  # a root span: no request of ours
+                continue
+            self._waiting.setdefault(span.parent_id, []).extend(pieces)
+            self._waiting_spans += len(pieces)
+            while self._waiting_spans > self.max_waiting:
+                _, dropped = self._waiting.popitem(last=False)
+                self._waiting_spans -= len(dropped)
+                self.dropped_spans += len(dropped)
         return known
 
-    def get(self, key: str) -> Timeline | None:
-        """By trace id, or by a request id (the client's or the engines')."""
-        timeline = self._timelines.get(key)
-        if timeline is None and key in self._by_request:
-            timeline = self._timelines.get(self._by_request[key])
-        return timeline
+    def get(self, key: str, tenant: str) -> Timeline | None:
+        """By the proxy's id or the engines' request id, or by the client's request id
+        (its latest request of that id); only the tenant's own."""
+        timeline_id = (key if key in self._timelines else
+                       self._by_engine_id.get(key) or self._by_client_id.get((tenant, key)))
+        timeline = self._timelines.get(timeline_id or "")
+        return timeline if timeline is not None and timeline.tenant == tenant else None
 
-    def recent(self, n: int) -> list[Timeline]:
-        return list(self._timelines.values())[-n:][::-1]
+    def recent(self, n: int, tenant: str) -> list[Timeline]:
+        """The tenant's last `n` requests, newest first."""
+        found = []
+        for timeline in reversed(self._timelines.values()):
+            if len(found) >= n:
+                break
+            if timeline.tenant == tenant:
+                found.append(timeline)
+        return found
 
 
-def timeline_of(trip: "Trip", request_id: str, status: int, received_ns: int) -> Timeline:
+def timeline_of(trip: "Trip", timeline_id: str, tenant: str, request_id: str, status: int,
+                received_ns: int) -> Timeline:
     """The proxy's own spans of a request that has ended: the request as a whole (with
     each chunk relayed to the client as an event) and one span per hop attempt, with
     its send, first byte and end."""
     end = time.time_ns()
-    timeline = Timeline(trip.trace_id, request_id, trip.request_id, received_ns, end, status)
+    timeline = Timeline(timeline_id, trip.trace_id, request_id, trip.request_id, received_ns,
+                        end, status, tenant=tenant)
     timeline.spans.append(Span(
         "request", "proxy", received_ns, end, attrs={
             "status": status, "stages": trip.header(), "multimodal": trip.multimodal},

@@ -6,13 +6,16 @@ that answers 5xx before anything was relayed, is recorded as a failed attempt an
 hop goes to the next (at most one retry after a 5xx, since a request that breaks one
 engine would break the next). Each attempt holds a state.Lease on its instance, closed
 here and nowhere else, which also feeds the hop metrics. An instance that refuses a
-connection is taken out of routing at once (its process is gone), as a probe would.
+connection is taken out of routing at once (its process is gone), as a probe would; a
+connection the proxy itself cannot open (out of file descriptors or local ports) fails
+the request with a 503 and leaves the instance alone.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import errno
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -37,8 +40,24 @@ _encode = msgspec.json.Encoder().encode
 TRANSPORT_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError,
                     asyncio.TimeoutError)
 RETRIES_AFTER_5XX = 1
+# Connect errors that are the proxy's own (its descriptors, ports, buffers), not the
+# instance's: another instance would fail the same way.
+LOCAL_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.EADDRNOTAVAIL, errno.EADDRINUSE,
+                          errno.ENOBUFS, errno.ENOMEM})
 
-__all__ = ["Stream", "Upstream", "single_token"]
+__all__ = ["Stream", "Upstream", "connect_failure", "single_token"]
+
+
+def connect_failure(err: BaseException) -> str | None:
+    """"refused" (nothing listens: the instance's process is gone), "local" (the proxy
+    could not open the connection itself), or None (anything else)."""
+    os_error = err.os_error if isinstance(err, aiohttp.ClientConnectorError) else err
+    code = getattr(os_error, "errno", None)
+    if code == errno.ECONNREFUSED:
+        return "refused"
+    if code in LOCAL_ERRNOS:
+        return "local"
+    return None
 
 
 def single_token(body: dict, **overrides: Any) -> dict:
@@ -193,8 +212,16 @@ class Upstream:
                 lease.first_byte_ns = time.time_ns()
             except TRANSPORT_ERRORS as err:
                 last = f"{inst.name}: {type(err).__name__}: {err}"
+                failure = connect_failure(err)
+                if failure == "local":
+                    self.release(lease, trip, last, instance_fault=False)
+                    log.error("could not open a connection to %s: %s", inst.name, err)
+                    raise ProxyError(503, "the proxy is out of connections (its own file "
+                                     "descriptors or local ports, not the instance's): "
+                                     "retry shortly", "service_unavailable",
+                                     reason="proxy_resources") from None
                 self.release(lease, trip, last)
-                if isinstance(err, aiohttp.ClientConnectorError):
+                if failure == "refused":
                     self._refused(inst, last)
                 continue
             except BaseException:

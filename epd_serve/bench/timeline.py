@@ -46,7 +46,8 @@ class TraceNotFound(LookupError):
 
 def fetch(proxy_url: str, key: str, api_key: str | None = None, timeout_s: float = 10.0
           ) -> dict:
-    """One timeline from a running proxy, by trace or request id ("last": the newest)."""
+    """One timeline from a running proxy, by its id (x-epd-trace-id) or request id
+    ("last": the newest)."""
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     with httpx.Client(base_url=proxy_url, timeout=timeout_s, headers=headers) as client:
         if key == "last":
@@ -54,7 +55,7 @@ def fetch(proxy_url: str, key: str, api_key: str | None = None, timeout_s: float
             recent.raise_for_status()
             if not recent.json():
                 raise TraceNotFound("the proxy has served no request yet")
-            key = recent.json()[0]["trace_id"]
+            key = recent.json()[0]["id"]
         resp = client.get(f"/v1/traces/{key}")
     if resp.status_code == 404:
         raise TraceNotFound(resp.json().get("error", {}).get("message", resp.text))

@@ -164,8 +164,8 @@ def _status_target(args) -> tuple[str, str | None]:
     if args.config:
         from epd_serve.runtime import deploy
         dep = deploy.load(args.config)
-        key_env = dep.config.proxy.api_key_env
-        return dep.proxy_url, os.environ.get(key_env) if key_env else None
+        from epd_serve.proxy.tenancy import own_key
+        return dep.proxy_url, own_key(dep.config.proxy.api_key_env)
     return args.url or DEFAULT_PROXY_URL, os.environ.get("EPD_API_KEY")
 
 

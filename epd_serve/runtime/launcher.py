@@ -28,7 +28,14 @@ from epd_serve.deployment.resolve import ResolvedDeployment
 from epd_serve.engines.hal import Platform
 from epd_serve.engines.tinymodel import is_model_dir
 from epd_serve.runtime.child import STOP_GRACE_S, Child, port_in_use
-from epd_serve.runtime.plan import ROSTER_FILE, Step, carry_out, fill_run_dir, startup_plan
+from epd_serve.runtime.plan import (
+    ROSTER_FILE,
+    Step,
+    carry_out,
+    fill_run_dir,
+    startup_plan,
+    with_internal_token,
+)
 from epd_serve.runtime.proctree import KILL_WAIT_S, ProcessTree, kill_trees
 from epd_serve.runtime.supervision import (
     LaunchError,
@@ -91,6 +98,8 @@ class Launcher:
         # Tells this launcher's processes apart from those of another launcher of the
         # same deployment (say a test and a developer's `epd-serve up`).
         self._token = secrets.token_hex(6)
+        # What the proxy takes span exports with (plan.INTERNAL_TOKEN): one per bring-up.
+        self._internal_token = secrets.token_hex(16)
 
     # -- bring up -----------------------------------------------------------
     def start(self) -> None:
@@ -110,7 +119,8 @@ class Launcher:
         for file_name, text in step.files.items():
             (self.dep.work_dir / file_name).write_text(fill_run_dir(text, run_dir))
         child = Child(name=step.name, command=[fill_run_dir(w, run_dir) for w in step.command],
-                      env=dict(step.env), log_path=self.log_dir / f"{step.name}.log",
+                      env=with_internal_token(step.env, self._internal_token),
+                      log_path=self.log_dir / f"{step.name}.log",
                       health_url=step.health_url,
                       tag=process_tag(self.dep, step.name, self._token))
         self.children.append(child)

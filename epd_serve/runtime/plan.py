@@ -28,6 +28,7 @@ from epd_serve.engines.hal import InstanceLaunch
 from epd_serve.engines.kv_protocols import get_protocol
 from epd_serve.mmstore.service import store_processes
 from epd_serve.proxy.config import InstanceEntry, ProxyConfig
+from epd_serve.proxy.tenancy import INTERNAL_TOKEN_ENV, INTERNAL_TOKEN_HEADER
 
 # Stands for the folder that holds a process's own files (the proxy's config and its
 # roster) in commands and file contents: the work directory on one host, a node-local
@@ -35,6 +36,11 @@ from epd_serve.proxy.config import InstanceEntry, ProxyConfig
 RUN_DIR = "{run_dir}"
 PROXY_CONFIG_FILE = "proxy.json"
 ROSTER_FILE = "proxy-roster.json"
+# Stands for the deployment's internal token (proxy/tenancy.py) in environments: the
+# proxy takes it from INTERNAL_TOKEN_ENV, the engines send it with their span exports.
+# Each starter makes a new one per bring-up (the launchers a random one, the shell
+# script its $EPD_INTERNAL_TOKEN), so it is never written into a file.
+INTERNAL_TOKEN = "{internal_token}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +87,8 @@ def startup_plan(dep: ResolvedDeployment) -> list[Step]:
     shared = device_waits(dep)
     instances = [Step(name=launch.name, kind="instance",
                       command=tuple(dep.platform.command(launch)),
-                      env=dep.platform.environment(launch), node=launch.node,
+                      env={**dep.platform.environment(launch), **span_export_env(launch)},
+                      node=launch.node,
                       address=launch.host, health_url=f"{launch.url}/health",
                       start_timeout_s=dep.config.health_timeout_s,
                       waits_on={**stores, **shared[launch.name]}, ports=launch.ports(),
@@ -97,13 +104,20 @@ def startup_plan(dep: ResolvedDeployment) -> list[Step]:
         name="proxy", kind="proxy",
         command=(sys.executable, "-m", "epd_serve.proxy", "--config",
                  f"{RUN_DIR}/{PROXY_CONFIG_FILE}"),
-        env={}, node=head, address=dep.proxy_host,
+        env={INTERNAL_TOKEN_ENV: INTERNAL_TOKEN}, node=head, address=dep.proxy_host,
         # Ready, not only up: every instance has answered the proxy's own probe (else
         # the first image may find no encoder the proxy knows is healthy).
         health_url=f"{dep.proxy_url}/ready", start_timeout_s=dep.config.health_timeout_s,
         waits_on=dict(stores), ports={dep.config.proxy_port: "proxy"},
         files={PROXY_CONFIG_FILE: proxy_config(dep).model_dump_json(indent=2)}))
     return steps
+
+
+def span_export_env(launch: InstanceLaunch) -> dict[str, str]:
+    """An engine exporting spans to the proxy sends the internal token with them."""
+    if not launch.traces_endpoint:
+        return {}
+    return {"OTEL_EXPORTER_OTLP_TRACES_HEADERS": f"{INTERNAL_TOKEN_HEADER}={INTERNAL_TOKEN}"}
 
 
 def device_waits(dep: ResolvedDeployment) -> dict[str, dict[str, str]]:
@@ -178,3 +192,8 @@ def proxy_config(dep: ResolvedDeployment) -> ProxyConfig:
 def fill_run_dir(text: str, run_dir: str) -> str:
     """`text` with RUN_DIR replaced by where the process's files are."""
     return text.replace(RUN_DIR, run_dir)
+
+
+def with_internal_token(env: dict[str, str], token: str) -> dict[str, str]:
+    """A step's environment with INTERNAL_TOKEN replaced by this bring-up's token."""
+    return {key: value.replace(INTERNAL_TOKEN, token) for key, value in env.items()}

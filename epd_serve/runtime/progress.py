@@ -6,7 +6,6 @@ Runs in the CLI process (rich + httpx).
 
 from __future__ import annotations
 
-import os
 import re
 
 import httpx
@@ -15,6 +14,7 @@ from rich.live import Live
 from rich.table import Table
 
 from epd_serve.engines.payloads import chat_body, image_data_url, make_image
+from epd_serve.proxy.tenancy import own_key
 from epd_serve.proxy.upstream import error_message
 from epd_serve.runtime.child import log_tail
 from epd_serve.runtime.supervision import LaunchError, log_dir
@@ -65,8 +65,7 @@ def warm_up(dep, timeout: float = 300.0) -> None:
     last lines of their logs."""
     model = dep.launches[0].served_model_name
     image = image_data_url(make_image(448, 448, seed=12345))
-    key_env = dep.config.proxy.api_key_env
-    key = os.environ.get(key_env) if key_env else None
+    key = own_key(dep.config.proxy.api_key_env)
     headers = {"authorization": f"Bearer {key}"} if key else None
     with httpx.Client(base_url=dep.proxy_url, timeout=timeout, headers=headers) as client:
         for kind, body in (("text", chat_body(model, "warm up", max_tokens=2)),

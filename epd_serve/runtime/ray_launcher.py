@@ -30,7 +30,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from epd_serve.deployment.resolve import ResolvedDeployment
 from epd_serve.runtime.child import STOP_GRACE_S, log_tail
-from epd_serve.runtime.plan import Step, carry_out, startup_plan
+from epd_serve.runtime.plan import Step, carry_out, startup_plan, with_internal_token
 from epd_serve.runtime.ray_host import ProcessHost, ProcessSpec
 from epd_serve.runtime.supervision import (
     LaunchError,
@@ -126,6 +126,7 @@ class RayLauncher:
         self.children: list[RayChild] = []
         self._stopping = False
         self._token = secrets.token_hex(6)  # as the local launcher's: tags its processes
+        self._internal_token = secrets.token_hex(16)  # plan.INTERNAL_TOKEN, this bring-up's
         self.cluster: ClusterSpec = dep.config.cluster
         self.resource = dep.platform.ray_resource
         self.local_cluster = None  # ray.cluster_utils.Cluster when cluster.address is 'local'
@@ -201,7 +202,8 @@ class RayLauncher:
         self._start_instance(step, *self._device_groups[step.name])
 
     def _spec(self, step: Step, **extra) -> ProcessSpec:
-        return ProcessSpec(name=step.name, command=list(step.command), env=dict(step.env),
+        return ProcessSpec(name=step.name, command=list(step.command),
+                           env=with_internal_token(step.env, self._internal_token),
                            tag=process_tag(self.dep, step.name, self._token),
                            max_restarts=self.dep.config.max_restarts, address=step.address,
                            ports=step.ports, files=step.files, **extra)

@@ -19,7 +19,15 @@ from pathlib import Path
 
 from epd_serve.deployment.resolve import ResolvedDeployment
 from epd_serve.engines.hal import Platform
-from epd_serve.runtime.plan import RUN_DIR, Step, carry_out, fill_run_dir, startup_plan
+from epd_serve.proxy.tenancy import INTERNAL_TOKEN_ENV
+from epd_serve.runtime.plan import (
+    INTERNAL_TOKEN,
+    RUN_DIR,
+    Step,
+    carry_out,
+    fill_run_dir,
+    startup_plan,
+)
 from epd_serve.topology.placement import NODE_LABEL, NodeSpec, ray_resource_args
 
 
@@ -38,6 +46,9 @@ def emit_shell(dep: ResolvedDeployment, config_path: str = "CONFIG") -> str:
         f"WORK={q(str(work))}",
         "# The Python that has epd-serve installed (runs the proxy and the MM Store).",
         f'PYTHON="${{PYTHON:-{sys.executable}}}"',
+        "# Engines send their spans to the proxy with this; a new one for each run.",
+        f'{INTERNAL_TOKEN_ENV}="${{{INTERNAL_TOKEN_ENV}:-$("$PYTHON" -c '
+        "'import secrets; print(secrets.token_hex(16))')}\"",
         'mkdir -p "$WORK/logs" "$WORK/ec_cache"',
         "PIDS=()",
         "cleanup() {",
@@ -73,7 +84,7 @@ def emit_shell(dep: ResolvedDeployment, config_path: str = "CONFIG") -> str:
         for file_name, text in step.files.items():
             lines.extend([f"cat >\"$WORK/{file_name}\" <<'EOF'", fill_run_dir(text, str(work)),
                           "EOF"])
-        env = " ".join(f"{k}={q(v)}" for k, v in sorted(step.env.items()))
+        env = " ".join(_env_word(k, v) for k, v in sorted(step.env.items()))
         lines.extend([
             "setsid " + (f"env {env} \\\n  " if env else "") + _shell_command(step.command)
             + f' \\\n  >"$WORK/logs/{step.name}.log" 2>&1 &',
@@ -103,6 +114,15 @@ def _describe(step: Step, dep: ResolvedDeployment) -> str:
     if step.kind == "store":
         return f"{step.name}: the MM Store ({dep.mm_store.backend}), serving before the engines"
     return f"{step.name}: the OpenAI-compatible front door, {dep.proxy_url}"
+
+
+def _env_word(key: str, value: str) -> str:
+    """KEY=value for `env`; the internal token is the script's variable, expanded."""
+    if INTERNAL_TOKEN not in value:
+        return f"{key}={shlex.quote(value)}"
+    # The plan's values holding it are plain words (a header name, the token): nothing
+    # else in them is special inside double quotes.
+    return f'{key}="{value.replace(INTERNAL_TOKEN, "$" + INTERNAL_TOKEN_ENV)}"'
 
 
 def _shell_command(command: tuple[str, ...]) -> str:

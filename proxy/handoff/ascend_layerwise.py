@@ -1,11 +1,14 @@
 """vllm-ascend's MooncakeLayerwiseConnector: decode first, prefill when decode asks.
 
-The proxy sends decode the request with `do_remote_prefill` and the URL of its own
-`/v1/metaserver`. Decode's scheduler allocates blocks and POSTs them there (its
-`kv_transfer_params` for prefill: block ids, host, port, engine id, ...), naming the
-request by the id vLLM derived from our `X-Request-Id` (`chatcmpl-<id>`,
-`cmpl-<id>-0`). The proxy then runs prefill with exactly those parameters and the same
-`X-Request-Id`; prefill pushes each layer into decode's memory and decode answers.
+The proxy sends decode the request with `do_remote_prefill` and a metaserver URL of
+its own made for this request alone (`/v1/metaserver/<token>`, the token random and
+known only to the proxy and that decode instance). Decode's scheduler allocates blocks
+and POSTs them there (its `kv_transfer_params` for prefill: block ids, host, port,
+engine id, ...), naming the request by the id vLLM derived from our `X-Request-Id`
+(`chatcmpl-<id>`, `cmpl-<id>-0`), which must match. The proxy then runs prefill with
+exactly those parameters and the same `X-Request-Id`; prefill pushes each layer into
+decode's memory and decode answers. A POST to any other URL, or naming another
+request, is refused: nobody but that decode instance can point prefill's KV anywhere.
 Written against vllm-ascend's connector and example proxy; exercised here with fake
 instances that speak the protocol, not on an NPU.
 """
@@ -19,6 +22,7 @@ from collections.abc import AsyncIterator
 
 from epd_serve.proxy.handoff.base import Handoff, cancel_and_wait, decode_body
 from epd_serve.proxy.errors import ProxyError
+from epd_serve.proxy.ids import random_hex
 from epd_serve.proxy.state import InstanceState
 from epd_serve.proxy.trip import Trip
 from epd_serve.proxy.upstream import single_token
@@ -31,6 +35,8 @@ class PendingPrefill:
     trip: Trip
     prefill: list[InstanceState]
     done: asyncio.Future
+    engine_request_id: str  # what decode must name
+    metaserver_url: str  # where decode reports its blocks, for this request only
 
 
 class AscendLayerwise(Handoff):
@@ -43,28 +49,31 @@ class AscendLayerwise(Handoff):
                              "address to call back: bind the proxy to a reachable address, "
                              f"not {config.host!r}")
         host = f"[{config.host}]" if ":" in config.host else config.host
-        self.metaserver_url = f"http://{host}:{config.port}/v1/metaserver"
-        self._pending: dict[str, PendingPrefill] = {}
+        self.metaserver_base = f"http://{host}:{config.port}/v1/metaserver"
+        self._pending: dict[str, PendingPrefill] = {}  # token -> the request it is for
 
-    def _decode_body(self, body: dict) -> dict:
+    @staticmethod
+    def _decode_body(body: dict, pending: PendingPrefill) -> dict:
         return decode_body(body, {"do_remote_decode": False, "do_remote_prefill": True,
-                                  "metaserver": self.metaserver_url})
+                                  "metaserver": pending.metaserver_url})
 
     @contextlib.asynccontextmanager
     async def _registered(self, path: str, body: dict, trip: Trip, prefill):
-        key = _engine_request_id(path, body, trip.request_id)
+        token = random_hex(24)
         pending = PendingPrefill(path, body, trip, prefill,
-                                 asyncio.get_running_loop().create_future())
-        self._pending[key] = pending
+                                 asyncio.get_running_loop().create_future(),
+                                 _engine_request_id(path, body, trip.request_id),
+                                 f"{self.metaserver_base}/{token}")
+        self._pending[token] = pending
         try:
             yield pending
         finally:
-            self._pending.pop(key, None)
+            self._pending.pop(token, None)
 
     async def complete(self, path, body, trip, prefill):
         async with self._registered(path, body, trip, prefill) as pending:
             decoding = asyncio.create_task(
-                self.upstream.post("D", path, self._decode_body(body), trip))
+                self.upstream.post("D", path, self._decode_body(body, pending), trip))
             try:
                 # Decode answers once prefill has pushed the KV; a prefill that fails
                 # first ends the request (and decode's, which would wait for nothing).
@@ -80,7 +89,8 @@ class AscendLayerwise(Handoff):
 
     async def stream(self, path, body, trip, prefill) -> AsyncIterator[bytes]:
         async with self._registered(path, body, trip, prefill) as pending:
-            stream = await self.upstream.open_stream("D", path, self._decode_body(body), trip)
+            stream = await self.upstream.open_stream("D", path,
+                                                     self._decode_body(body, pending), trip)
             try:
                 # Nothing reaches the client before prefill has run: a failed prefill
                 # is still an error status, not a broken stream.
@@ -90,12 +100,17 @@ class AscendLayerwise(Handoff):
                 raise
         return stream.relay()
 
-    async def metaserver(self, body: dict) -> dict:
-        request_id = body.get("request_id")
-        pending = self._pending.get(request_id) if isinstance(request_id, str) else None
+    def expects_report(self, token: str) -> bool:
+        return token in self._pending
+
+    async def metaserver(self, token: str, body: dict) -> dict:
+        pending = self._pending.get(token)
         if pending is None:
-            raise ProxyError(404, f"unknown metaserver request_id {request_id!r}",
-                             "invalid_request_error")
+            raise ProxyError(404, "no request is waiting for its blocks at this metaserver "
+                             "URL", "invalid_request_error", reason="unknown_metaserver")
+        if body.get("request_id") != pending.engine_request_id:
+            raise ProxyError(403, "this metaserver URL belongs to another request",
+                             "permission_error", reason="forged_metaserver")
         prefill_body = single_token(pending.body, kv_transfer_params=body, min_tokens=1)
         if "max_completion_tokens" in pending.body:
             prefill_body["max_completion_tokens"] = 1

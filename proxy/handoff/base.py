@@ -45,6 +45,15 @@ async def cancel_and_wait(task: asyncio.Task) -> None:
 
 class Handoff(ABC):
     name: ClassVar[str]
+    # kv_transfer_params keys a client may set to steer the protocol per request, and
+    # those it may set only where the deployment injects faults (tests); the proxy
+    # refuses any other (request.py): the rest say where KV goes.
+    client_kv_keys: ClassVar[frozenset[str]] = frozenset()
+    fault_kv_keys: ClassVar[frozenset[str]] = frozenset()
+
+    @classmethod
+    def allowed_client_keys(cls, fault_injection: bool) -> frozenset[str]:
+        return cls.client_kv_keys | (cls.fault_kv_keys if fault_injection else frozenset())
 
     def __init__(self, upstream: Upstream, config: ProxyConfig):
         self.upstream = upstream
@@ -60,7 +69,12 @@ class Handoff(ABC):
                      prefill: list[InstanceState]) -> AsyncIterator[bytes]:
         """As `complete`, streamed; errors before the first byte raise ProxyError."""
 
-    async def metaserver(self, body: dict) -> dict:
-        """A decode instance reporting its allocation (protocols that use it)."""
+    def expects_report(self, token: str) -> bool:
+        """Whether a request waits for a decode instance's report at this token's URL."""
+        return False
+
+    async def metaserver(self, token: str, body: dict) -> dict:
+        """A decode instance reporting its allocation (protocols that use it), at the
+        URL made for its request (`token`)."""
         raise ProxyError(404, f"/v1/metaserver is not used by the {self.name!r} KV hand-off",
                          "invalid_request_error")

@@ -17,22 +17,25 @@ peer and computes the prompt itself, so the request is slower but not lost.
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from epd_serve.proxy.handoff.base import Handoff, cancel_and_wait, decode_body
 from epd_serve.proxy.errors import ProxyError
+from epd_serve.proxy.ids import random_hex
 from epd_serve.proxy.state import InstanceState
 from epd_serve.proxy.trip import Trip
 from epd_serve.proxy.upstream import single_token
 
 # Keys of kv_transfer_params a client may set to steer our connector per request
 # (transfer mode, fault injection where the deployment allows it); passed to prefill.
-PASSTHROUGH_KEYS = ("epd_mode", "epd_fault")
+MODE_KEY, FAULT_KEY = "epd_mode", "epd_fault"
+PASSTHROUGH_KEYS = (MODE_KEY, FAULT_KEY)
 
 
 class EPDPush(Handoff):
     name = "epd"
+    client_kv_keys = frozenset({MODE_KEY})
+    fault_kv_keys = frozenset({FAULT_KEY})
 
     async def complete(self, path, body, trip, prefill):
         async def decode(request):
@@ -62,7 +65,7 @@ class EPDPush(Handoff):
             host, _, port = (p_inst.entry.kv_endpoint or "").rpartition(":")
             if not host:
                 raise ProxyError(500, f"prefill instance {p_inst.name} has no KV side channel")
-            transfer_id = uuid.uuid4().hex
+            transfer_id = random_hex(16)
             decode_request = decode_body(body, {
                 "do_remote_prefill": True, "do_remote_decode": False,
                 "transfer_id": transfer_id, "remote_host": host, "remote_port": int(port)})

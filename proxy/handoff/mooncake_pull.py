@@ -7,11 +7,11 @@ decode with `do_remote_prefill` and where to pull from.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import AsyncIterator
 
 from epd_serve.proxy.handoff.base import Handoff, decode_body
 from epd_serve.proxy.errors import ProxyError
+from epd_serve.proxy.ids import random_hex
 from epd_serve.proxy.state import InstanceState
 from epd_serve.proxy.trip import Trip
 from epd_serve.proxy.upstream import TRANSPORT_ERRORS, single_token, upstream_error
@@ -27,7 +27,7 @@ class MooncakePull(Handoff):
     async def _prefill(self, path: str, body: dict, trip: Trip,
                        prefill: list[InstanceState]) -> dict:
         """Run prefill; returns the decode request."""
-        transfer_id = uuid.uuid4().hex
+        transfer_id = random_hex(16)
         p_inst, _ = await self.upstream.post("P", path, single_token(body, kv_transfer_params={
             "do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id,
         }), trip, prefill)

@@ -28,7 +28,7 @@ from epd_serve.cli.demo import traced_request
 from epd_serve.engines.instance_metrics import parse_prometheus
 from epd_serve.engines.payloads import chat_body, image_data_url, make_image
 from epd_serve.mmstore import FeatureMeta, open_store
-from epd_serve.proxy.features import image_key
+from epd_serve.proxy.tenancy import image_key
 
 from ..waiting import wait_for
 from .conftest import STORE_CAPACITY

@@ -6,12 +6,9 @@ turns images away with a 503 while text keeps flowing until the launcher has the
 from __future__ import annotations
 
 import base64
-import contextlib
 import os
 import signal
 import struct
-import subprocess
-import sys
 import time
 import types
 import zlib
@@ -21,11 +18,11 @@ import pytest
 
 from epd_serve.engines.instance_metrics import snapshot
 from epd_serve.engines.payloads import chat_body, image_data_url, make_image
-from epd_serve.proxy.config import ProxyConfig
-from epd_serve.proxy.features import image_key
 from epd_serve.proxy.routing import rendezvous
+from epd_serve.proxy.tenancy import image_key
 from epd_serve.runtime.plan import proxy_config
-from epd_serve.runtime.supervision import log_dir
+
+from .second_proxy import second_proxy
 
 MAX_TOKENS = 4
 
@@ -87,41 +84,14 @@ def test_four_images_are_encoded_on_both_encoders_at_once(dep):
         assert f"epd-ec loaded mm_hash={image_key(model(dep), url)}" in log
 
 
-@contextlib.contextmanager
-def proxy_with_routing(dep, routing: dict):
-    """A second proxy process in front of the same instances, configured as a deployment
-    file whose `routing:` section says `routing` would configure it."""
-    base = proxy_config(dep).model_dump()
-    config = ProxyConfig.model_validate({**base, "port": base["port"] + 1, "roster_path": None,
-                                         "routing": {**base["routing"], **routing}})
-    path = dep.work_dir / "proxy-routing.json"
-    path.write_text(config.model_dump_json())
-    url = f"http://{config.host}:{config.port}"
-    with open(log_dir(dep) / "proxy-routing.log", "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "epd_serve.proxy", "--config", str(path)],
-                                stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, "proxy did not start"
-            time.sleep(0.2)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-
-
 def test_a_weighted_encoder_policy_sends_each_image_to_its_affine_encoder(dep):
     # Both encoders idle: least-loaded scores them alike, so the image key decides
     # (the rendezvous owner scores 1, the other 1/2). Least-loaded alone would
     # alternate the encoders whatever the image.
     weights = {"hash-affinity": 1, "least-loaded": 0.75}
-    with proxy_with_routing(dep, {"E": weights, "encoder_batch": 1}) as url:
+    routing = proxy_config(dep).routing.model_dump()
+    with second_proxy(dep, "routing", 1,
+                      routing={**routing, "E": weights, "encoder_batch": 1}) as url:
         status = httpx.get(url + "/status", timeout=10).json()
         assert status["policies"]["E"] == "{hash-affinity: 1, least-loaded: 0.75}"
         encoders = ("e0", "e1")

@@ -13,6 +13,7 @@ import yaml
 
 from epd_serve.engines import engine_probe
 from epd_serve.runtime import flagcheck
+from epd_serve.runtime.plan import span_export_env
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -191,7 +192,7 @@ def test_probe_entries_are_the_engine_arguments_after_the_program(config):
         assert entry["argv"][:2] == ["--model", launch.model]
         assert launch.model not in entry["argv"][2:]  # the model once, as --model
         assert command[-len(entry["argv"][2:]):] == entry["argv"][2:]
-        assert entry["env"] == platform.environment(launch)
+        assert entry["env"] == {**platform.environment(launch), **span_export_env(launch)}
 
 
 def test_dropping_a_refused_flag_takes_its_value_with_it():

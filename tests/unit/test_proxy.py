@@ -7,7 +7,9 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import errno
 import json
+import os
 import time
 
 import httpx
@@ -15,7 +17,7 @@ import pytest
 
 from epd_serve.engines.payloads import chat_body
 from epd_serve.proxy import ProxyConfig, create_app
-from epd_serve.proxy.features import image_key
+from epd_serve.proxy.tenancy import image_key
 from epd_serve.testing.fake_server import ThreadedServer, create_fake_app
 
 from ..ports import free_port_block
@@ -136,7 +138,12 @@ def test_epd_handoff_reports_the_transfer_in_the_stages_header():
 def test_epd_handoff_passes_the_transfer_mode_to_prefill_only():
     with deployment(["P", "D"]) as d:
         body = chat_body("fake", "x", max_tokens=2)
+        # Where the KV goes is the proxy's to say: such a key is refused, not dropped.
         body["kv_transfer_params"] = {"epd_mode": "layer", "do_remote_prefill": True}
+        refused = d.client.post("/v1/chat/completions", json=body)
+        assert refused.status_code == 400 and "do_remote_prefill" in refused.text
+        assert d.seen("p0") == d.seen("d1") == []
+        body["kv_transfer_params"] = {"epd_mode": "layer"}
         assert d.client.post("/v1/chat/completions", json=body).status_code == 200
         kv_p = d.seen("p0")[0]["body"]["kv_transfer_params"]
         assert kv_p["epd_mode"] == "layer" and kv_p["do_remote_decode"] is True
@@ -223,8 +230,11 @@ def test_ascend_layerwise_decode_first_then_prefill_with_decodes_blocks(path, st
         assert resp.status_code == 200, resp.text
         (dec,), (pre,) = d.seen("d1"), d.seen("p0")
         kv_d = dec["body"]["kv_transfer_params"]
-        assert kv_d == {"do_remote_decode": False, "do_remote_prefill": True,
-                        "metaserver": f"{d.client.base_url}/v1/metaserver"}
+        metaserver = kv_d.pop("metaserver")
+        assert kv_d == {"do_remote_decode": False, "do_remote_prefill": True}
+        # A URL of the proxy's made for this request alone: nobody else can report at it.
+        base = f"{d.client.base_url}/v1/metaserver/"
+        assert metaserver.startswith(base) and len(metaserver) - len(base) >= 32
         assert dec["body"]["stream"] is stream and dec["body"]["max_tokens"] == 4
         # Prefill ran with exactly what decode reported, under the same request id.
         kv_p = pre["body"]["kv_transfer_params"]
@@ -243,12 +253,15 @@ def test_ascend_layerwise_prefill_failure_fails_the_request():
         assert resp.status_code == 502 and "p0" in resp.json()["error"]["message"]
 
 
-def test_metaserver_refuses_unknown_requests_and_other_protocols():
+def test_metaserver_refuses_unknown_urls_and_other_protocols():
     with ascend_deployment(["P", "D"]) as d:
-        resp = d.client.post("/v1/metaserver", json={"request_id": "chatcmpl-nobody"})
-        assert resp.status_code == 404 and "nobody" in resp.json()["error"]["message"]
+        assert d.client.post("/v1/metaserver", json={"request_id": "chatcmpl-x"}
+                             ).status_code == 404
+        resp = d.client.post("/v1/metaserver/guessed", json={"request_id": "chatcmpl-x"})
+        assert resp.status_code == 404 and "no request" in resp.json()["error"]["message"]
+        assert d.seen("p0") == []
     with deployment(["P", "D"]) as d:
-        assert d.client.post("/v1/metaserver", json={"request_id": "x"}).status_code == 404
+        assert d.client.post("/v1/metaserver/x", json={"request_id": "x"}).status_code == 404
 
 
 # -- modality routing ------------------------------------------------------------------
@@ -643,7 +656,10 @@ def test_slow_probes_do_not_take_a_busy_instance_out_at_once():
 
     assert asyncio.run(run(asyncio.TimeoutError(), 3)) == [True, True, False]
     assert asyncio.run(run(aiohttp.ServerDisconnectedError(), 3)) == [True, True, False]
-    assert asyncio.run(run(ConnectionRefusedError(), 1)) == [False]
+    assert asyncio.run(run(ConnectionRefusedError(errno.ECONNREFUSED, "refused"), 1)) == [False]
+    # The proxy out of descriptors or ports says nothing about the instance.
+    for code in (errno.EMFILE, errno.EADDRNOTAVAIL):
+        assert asyncio.run(run(OSError(code, os.strerror(code)), 5)) == [True] * 5
 
 
 # -- keys and metrics --------------------------------------------------------------------

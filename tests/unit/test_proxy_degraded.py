@@ -9,9 +9,9 @@ import pytest
 
 from epd_serve.engines.payloads import chat_body
 from epd_serve.proxy.config import InstanceEntry
-from epd_serve.proxy.features import image_key
 from epd_serve.proxy.routing import StagePlan, down_hops, plan_stages, with_stand_in
 from epd_serve.proxy.state import InstanceTable, Roster
+from epd_serve.proxy.tenancy import image_key
 
 from ..stores import started_shm_store
 from .test_proxy import IMAGE, ascend_deployment, chat, deployment, wait_for

@@ -124,8 +124,9 @@ def test_ascend_handoff_lets_the_handlers_own_cancellation_through():
 
         async def prefill_fails_once_decode_reported():
             await decode.started.wait()
+            (token,) = handoff._pending  # the URL decode was given
             with pytest.raises(ProxyError):
-                await handoff.metaserver({"request_id": "cmpl-r1-0"})
+                await handoff.metaserver(token, {"request_id": "cmpl-r1-0"})
 
         reporter = asyncio.create_task(prefill_fails_once_decode_reported())
         handler = await leave_while_decode_is_cleaning_up(run, decode)

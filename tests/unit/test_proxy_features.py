@@ -21,7 +21,7 @@ from epd_serve.deployment.config import ConfigError
 from epd_serve.engines.payloads import chat_body
 from epd_serve.mmstore import FeatureMeta, StoreSpec, open_store
 from epd_serve.proxy import ProxyConfig, create_app
-from epd_serve.proxy.features import image_key
+from epd_serve.proxy.tenancy import image_key
 from epd_serve.runtime import deploy
 from epd_serve.runtime.plan import proxy_config
 from epd_serve.testing.fake_server import ThreadedServer, create_fake_app

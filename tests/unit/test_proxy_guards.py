@@ -1,6 +1,8 @@
-"""The proxy's request guards: body shape, image limits and decoding checks, the URL
-policy, and remote fetching (address policy, size and time limits, inlining), against
-a local aiohttp server on 127.0.0.1. No instances, no model; runs in a few seconds."""
+"""The proxy's request parsing and guards: body shape (errors name the bad field's
+path), the fields only the proxy sets, media parts of every type keyed by the proxy,
+client embeddings, image limits and decoding checks, the URL policy, and remote
+fetching (address policy, size and time limits, download budgets, inlining), against a
+local aiohttp server on 127.0.0.1. No instances, no model; runs in a few seconds."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import asyncio
 import base64
 import copy
 import io
+import json
 import socket
 import struct
 import time
@@ -22,20 +25,23 @@ from PIL import Image
 
 from epd_serve.proxy import guards
 from epd_serve.proxy.errors import ProxyError
-from epd_serve.proxy.guards import CHAT_PATH, COMPLETIONS_PATH, Limits, check_request
+from epd_serve.proxy.guards import CHAT_PATH, COMPLETIONS_PATH, Limits
 from epd_serve.proxy.remote_media import PublicAddressResolver, RemoteFetcher, is_public_address
+from epd_serve.proxy.request import MEDIA_PARTS, ParsedRequest, parse_request
+from epd_serve.proxy.tenancy import ANONYMOUS, Tenant, image_key
 
 LIMITS = Limits()
 REMOTE = Limits(allow_remote_urls=True)
+EMBEDDINGS = Limits(allow_client_embeddings=True)
 
 
 # ----------------------------------------------------------------------------------
 # Building requests and images
 # ----------------------------------------------------------------------------------
 
-def png_bytes(width: int = 64, height: int = 64) -> bytes:
+def png_bytes(width: int = 64, height: int = 64, color=(200, 30, 30)) -> bytes:
     buf = io.BytesIO()
-    Image.new("RGB", (width, height), (200, 30, 30)).save(buf, "PNG")
+    Image.new("RGB", (width, height), color).save(buf, "PNG")
     return buf.getvalue()
 
 
@@ -64,9 +70,23 @@ def chat(*parts: dict) -> dict:
     ]}
 
 
-def refused(body: object, limits: Limits = LIMITS, path: str = CHAT_PATH) -> ProxyError:
+def parse(body: object, limits: Limits = LIMITS, path: str = CHAT_PATH,
+          kv_keys: frozenset[str] = frozenset()) -> ParsedRequest:
+    return parse_request(json.dumps(body).encode(), path, limits, kv_keys)
+
+
+def sealed(body: object, limits: Limits = LIMITS, tenant: Tenant = ANONYMOUS) -> dict:
+    """The body the stages get, keyed as the proxy keys it."""
+    parsed = parse(body, limits)
+    return parsed.seal(lambda item: tenant.media_key(
+        "qwen", item.part_type if item.kind.embeddings else item.modality,
+        parsed.hash_factors, item.payload()), tenant.cache_salt(parsed.client_salt))
+
+
+def refused(body: object, limits: Limits = LIMITS, path: str = CHAT_PATH,
+            kv_keys: frozenset[str] = frozenset()) -> ProxyError:
     with pytest.raises(ProxyError) as caught:
-        check_request(body, path, limits)
+        parse(body, limits, path, kv_keys)
     return caught.value
 
 
@@ -76,11 +96,15 @@ def assert_error(err: ProxyError, status: int, reason: str, *words: str) -> None
         assert word in err.message, err.message
 
 
+def sent_parts(body: dict) -> list[dict]:
+    return body["messages"][-1]["content"]
+
+
 # ----------------------------------------------------------------------------------
-# check_request: valid requests
+# parse_request: valid requests
 # ----------------------------------------------------------------------------------
 
-def test_valid_requests_pass_unchanged():
+def test_valid_requests_parse_without_changing_the_body():
     body = chat(image_part(data_url(png_bytes())),
                 {"type": "input_image", "image_url": data_url(png_bytes(8, 8))},
                 {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}},
@@ -88,20 +112,16 @@ def test_valid_requests_pass_unchanged():
     body["messages"].append({"role": "assistant", "content": None,
                              "tool_calls": [{"id": "1", "type": "function"}]})
     before = copy.deepcopy(body)
-    assert check_request(body, CHAT_PATH, LIMITS) == []
-    assert body == before
+    parsed = parse(body)
+    assert parsed.body == before
+    assert [(m.part_type, m.modality) for m in parsed.media] == [
+        ("image_url", "image"), ("input_image", "image"), ("video_url", "video"),
+        ("input_audio", "audio")]
+    assert [m.pixels for m in parsed.images] == [64 * 64, 8 * 8]
+    assert parsed.other_media and parsed.text_chars == len("Answer briefly.What is this?")
+    assert parsed.downloads() == []
     for prompt in ("Once upon a time", ["a", "b"], [1, 2, 3], [[1, 2], [3]]):
-        assert check_request({"prompt": prompt}, COMPLETIONS_PATH, LIMITS) == []
-    # Other routes are not this module's business beyond being a JSON object.
-    assert check_request({"anything": 1}, "/v1/models", LIMITS) == []
-
-
-def test_text_request_is_cheap():
-    body = chat()
-    start = time.perf_counter()
-    for _ in range(1000):
-        check_request(body, CHAT_PATH, LIMITS)
-    assert (time.perf_counter() - start) / 1000 < 50e-6  # microseconds in practice
+        assert parse({"prompt": prompt}, path=COMPLETIONS_PATH).media == []
 
 
 def test_limits_refuse_unknown_fields_and_load_from_a_deployment_section():
@@ -113,24 +133,140 @@ def test_limits_refuse_unknown_fields_and_load_from_a_deployment_section():
 
 
 # ----------------------------------------------------------------------------------
-# check_request: malformed bodies
+# The proxy is the only author of media identities
+# ----------------------------------------------------------------------------------
+
+VICTIM = data_url(png_bytes(color=(10, 200, 10)))
+ATTACKER = data_url(png_bytes(color=(200, 10, 10)))
+
+
+@pytest.mark.parametrize("part", [
+    {"type": "image_url", "image_url": {"url": ATTACKER}},
+    {"type": "image_url", "image_url": ATTACKER},
+    {"type": "input_image", "image_url": ATTACKER},
+    {"type": "input_image", "image_url": {"url": ATTACKER}},
+    {"type": "image", "image": ATTACKER},
+])
+def test_every_image_part_leaves_as_image_url_under_the_proxys_key(part):
+    target = image_key("qwen", VICTIM)
+    (sent,) = sent_parts(sealed(chat({**part, "uuid": target})))[1:]
+    assert sent == {"type": "image_url", "image_url": {"url": ATTACKER},
+                    "uuid": image_key("qwen", ATTACKER)}
+    assert sent["uuid"] != target
+
+
+@pytest.mark.parametrize("part, canonical", [
+    ({"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}},
+     {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}),
+    ({"type": "audio_url", "audio_url": "data:audio/wav;base64,AAAA"},
+     {"type": "audio_url", "audio_url": {"url": "data:audio/wav;base64,AAAA"}}),
+    ({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+     {"type": "audio_url", "audio_url": {"url": "data:audio/wav;base64,AAAA"}}),
+])
+def test_video_and_audio_parts_leave_keyed_by_the_proxy(part, canonical):
+    (sent,) = sent_parts(sealed(chat({**part, "uuid": "../../etc/chosen"})))[1:]
+    assert {k: v for k, v in sent.items() if k != "uuid"} == canonical
+    assert len(sent["uuid"]) == 64 and int(sent["uuid"], 16) >= 0  # our hex key
+
+
+def test_keys_follow_content_model_and_processing_not_the_part_type():
+    a, b = sealed(chat(image_part(VICTIM), {"type": "image", "image": VICTIM}))["messages"][1][
+        "content"][1:]
+    assert a["uuid"] == b["uuid"] == image_key("qwen", VICTIM)
+    other = sent_parts(sealed(chat(image_part(ATTACKER))))[1]["uuid"]
+    with_kwargs = sent_parts(sealed({**chat(image_part(VICTIM)),
+                                     "mm_processor_kwargs": {"max_pixels": 3136}}))[1]["uuid"]
+    as_video = sent_parts(sealed(chat({"type": "video_url", "video_url": VICTIM})))[1]["uuid"]
+    assert len({a["uuid"], other, with_kwargs, as_video}) == 4
+
+
+def test_a_tenant_with_a_secret_gets_its_own_keys_and_salt():
+    tenant = Tenant("key-1", b"secret-of-key-1")
+    mine = sealed(chat(image_part(VICTIM)), tenant=tenant)
+    assert sent_parts(mine)[1]["uuid"] != image_key("qwen", VICTIM)
+    assert mine["cache_salt"] == tenant.cache_salt(None)
+    # A client's own salt partitions its requests further, inside its tenant only.
+    salted = sealed({**chat(image_part(VICTIM)), "cache_salt": "mine"}, tenant=tenant)
+    assert salted["cache_salt"] not in ("mine", mine["cache_salt"])
+    assert "cache_salt" not in sealed(chat(image_part(VICTIM)))  # open: none invented
+    assert sealed({**chat(), "cache_salt": "s"})["cache_salt"] == "s"
+
+
+def test_text_parts_may_not_carry_a_uuid():
+    # vLLM reads any part that has a uuid as media, whatever its type.
+    err = refused(chat({"type": "text", "text": "hi", "uuid": "x",
+                        "image_url": {"url": ATTACKER}}))
+    assert_error(err, 400, "malformed", "$.messages[1].content[1].uuid")
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("ec_transfer_params", {"x": 1}, "ec_transfer_params"),
+    ("kv_transfer_params", {"do_remote_prefill": True, "remote_host": "10.0.0.9"},
+     "kv_transfer_params.do_remote_prefill"),
+    ("vllm_xargs", {"kv_transfer_params": {"transfer_id": "t"}}, "vllm_xargs.kv_transfer"),
+])
+def test_fields_only_the_proxy_sets_are_refused(field, value, words):
+    assert_error(refused({**chat(), field: value}), 400, "proxy_field", words)
+    assert_error(refused({"prompt": "x", field: value}, path=COMPLETIONS_PATH), 400,
+                 "proxy_field", words)
+
+
+def test_the_handoffs_own_steering_keys_pass():
+    body = {**chat(), "kv_transfer_params": {"epd_mode": "whole"}}
+    assert parse(body, kv_keys=frozenset({"epd_mode"})).body["kv_transfer_params"] == {
+        "epd_mode": "whole"}
+    assert_error(refused(body), 400, "proxy_field", "may set only: none")
+
+
+@pytest.mark.parametrize("part_type", [t for t, k in MEDIA_PARTS.items()
+                                       if k.embeddings and t != "prompt_embeds"])
+def test_client_embeddings_are_refused_unless_the_deployment_opts_in(part_type):
+    field = MEDIA_PARTS[part_type].field
+    metadata_only = {"type": part_type, field: {"image_grid_thw": [1, 2, 2]},
+                     "uuid": image_key("qwen", VICTIM)}
+    assert_error(refused(chat(metadata_only)), 400, "client_embeddings",
+                 "allow_client_embeddings")
+    # Even where allowed, a reference to a stored feature is the proxy's alone.
+    assert_error(refused(chat(metadata_only), EMBEDDINGS), 400, "client_embeddings",
+                 "not a reference")
+    tensor = {"type": part_type, field: "UEsDBAAAAAAA", "uuid": image_key("qwen", VICTIM)}
+    (sent,) = sent_parts(sealed(chat(tensor), EMBEDDINGS))[1:]
+    assert sent[field] == "UEsDBAAAAAAA" and sent["uuid"] != image_key("qwen", VICTIM)
+    other = sent_parts(sealed(chat({**tensor, field: "UEsDBAAAAAAB"}), EMBEDDINGS))[1]
+    assert other["uuid"] != sent["uuid"]  # keyed by the tensors' content
+
+
+def test_prompt_embeddings_are_client_embeddings_too():
+    assert_error(refused({"prompt_embeds": "UEsDBA"}, path=COMPLETIONS_PATH), 400,
+                 "client_embeddings")
+    assert parse({"prompt_embeds": "UEsDBA"}, EMBEDDINGS, COMPLETIONS_PATH).media
+
+
+# ----------------------------------------------------------------------------------
+# parse_request: malformed bodies name the bad field
 # ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("body, words", [
     ([{"role": "user"}], "JSON object"),
     ({"messages": "hello"}, "'messages'"),
     ({"messages": []}, "'messages'"),
-    ({"messages": ["hello"]}, "messages[0]"),
-    ({"messages": [{"content": "hi"}]}, "messages[0].role"),
-    ({"messages": [{"role": "user", "content": 7}]}, "messages[0].content"),
+    ({"messages": ["hello"]}, "$.messages[0]"),
+    ({"messages": [{"content": "hi"}]}, "`role`"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "'wizard' - at `$.messages[0].role`"),
+    ({"messages": [{"role": "user", "content": 7}]}, "$.messages[0].content"),
     ({"messages": [{"role": "user", "content": None}]}, "required for role 'user'"),
-    ({"messages": [{"role": "user", "content": ["hi"]}]}, "messages[0].content[0]"),
-    (chat({"image_url": {"url": "data:,"}}), "messages[1].content[1].type"),
-    (chat({"type": "text", "text": 3}), ".text must be a string"),
-    (chat({"type": "image_url"}), ".image_url must be an object"),
-    (chat({"type": "image_url", "image_url": {"detail": "auto"}}), ".image_url.url"),
-    (chat({"type": "image_url", "image_url": {"url": ""}}), ".image_url.url"),
-    (chat({"type": "input_audio", "input_audio": "AAAA"}), ".input_audio"),
+    ({"messages": [{"role": "user", "content": ["hi"]}]}, "$.messages[0].content[0]"),
+    (chat({"image_url": {"url": "data:,"}}), "`type` - at `$.messages[1].content[1]`"),
+    (chat({"type": "file", "file": {"file_id": "f"}}), "'file' - at `$.messages[1].content[1]"),
+    (chat({"type": "text", "text": 3}), "$.messages[1].content[1].text"),
+    (chat({"type": "image_url"}), "`image_url` - at `$.messages[1].content[1]`"),
+    (chat({"type": "image_url", "image_url": {"detail": "auto"}}), "`url`"),
+    (chat({"type": "image_url", "image_url": {"url": ""}}), "non-empty URL"),
+    (chat({"type": "input_audio", "input_audio": "AAAA"}), "$.messages[1].content[1].input_audio"),
+    (chat({"type": "input_audio", "input_audio": {"data": "AA", "format": "wav;x,"}}),
+     "format"),
+    ({**chat(), "stream": "yes"}, "$.stream"),
+    ({**chat(), "cache_salt": ""}, "cache_salt"),
 ])
 def test_malformed_chat_bodies(body, words):
     assert_error(refused(body), 400, "malformed", words)
@@ -150,12 +286,18 @@ def test_too_many_messages():
 
 
 # ----------------------------------------------------------------------------------
-# check_request: inline images
+# parse_request: inline images, counted before anything is decoded
 # ----------------------------------------------------------------------------------
 
 def test_too_many_images_is_counted_before_any_decoding():
     body = chat(*[image_part("data:image/png;base64,not base64!")] * 33)
     assert_error(refused(body), 400, "too_many_images", "33", "32")
+
+
+def test_every_kind_of_media_counts():
+    body = chat(*[{"type": "video_url", "video_url": "https://example.com/a.mp4"}] * 5)
+    assert_error(refused(body, Limits(allow_remote_urls=True, max_media_parts=4)), 400,
+                 "too_many_media", "5", "4")
 
 
 def test_decompression_bomb_header_is_refused_without_decoding():
@@ -210,7 +352,7 @@ def test_undecodable_images(raw):
 
 
 # ----------------------------------------------------------------------------------
-# check_request: URL policy
+# parse_request: URL policy
 # ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("part", [
@@ -239,11 +381,10 @@ def test_remote_urls_when_allowed_come_back_as_items_to_fetch():
     body = chat(image_part("https://example.com/cat.png"),
                 {"type": "input_image", "image_url": "https://example.com/dog.png"},
                 image_part(data_url(png_bytes())))
-    items = check_request(body, CHAT_PATH, REMOTE)
-    assert [(i.modality, i.url) for i in items] == [
-        ("image", "https://example.com/cat.png"), ("image", "https://example.com/dog.png")]
-    assert items[0].holder is body["messages"][1]["content"][1]["image_url"]
-    assert items[1].holder is body["messages"][1]["content"][2]
+    items = parse(body, REMOTE).downloads()
+    assert [(i.modality, i.url, i.where) for i in items] == [
+        ("image", "https://example.com/cat.png", "messages[1].content[1]"),
+        ("image", "https://example.com/dog.png", "messages[1].content[2]")]
     assert_error(refused(chat(image_part("http://:80/x")), REMOTE), 400, "malformed", "host")
     assert_error(refused(chat(image_part("http://h:99999/")), REMOTE), 400, "malformed")
 
@@ -303,7 +444,7 @@ def fetch_error(fetcher_factory, url: str) -> tuple[ProxyError, float]:
         try:
             start = time.perf_counter()
             with pytest.raises(ProxyError) as caught:
-                await fetcher.inline(check_request(body, CHAT_PATH, fetcher.limits))
+                await fetcher.inline(parse(body, fetcher.limits).downloads())
             return caught.value, time.perf_counter() - start
         finally:
             await fetcher.close()
@@ -338,6 +479,8 @@ class ImageServer:
         self.image = png_bytes(32, 32)
         self.hits: dict[str, int] = {}
         self.base = ""
+        self.sending = 0  # clip.mp4 answers being sent at once, and the most seen
+        self.most_sending = 0
         app = web.Application()
         app.router.add_get("/{name}", self.handle)
         self.runner = web.AppRunner(app)
@@ -360,6 +503,12 @@ class ImageServer:
             return response
         if name == "text.png":
             return web.Response(text="not an image", content_type="image/png")
+        if name == "clip.mp4":  # 4 KiB, taking 50 ms
+            self.sending += 1
+            self.most_sending = max(self.most_sending, self.sending)
+            await asyncio.sleep(0.05)
+            self.sending -= 1
+            return web.Response(body=b"\1" * 4096, content_type="video/mp4")
         if name == "redirect":
             raise web.HTTPFound("/cat.png")
         if name == "to-file":
@@ -397,8 +546,7 @@ def with_server(scenario, limits: Limits = REMOTE):
 
 async def inline_error(fetcher: RemoteFetcher, url: str) -> ProxyError:
     with pytest.raises(ProxyError) as caught:
-        await fetcher.inline(check_request(chat(image_part(url)), CHAT_PATH,
-                                           fetcher.limits))
+        await fetcher.inline(parse(chat(image_part(url)), fetcher.limits).downloads())
     return caught.value
 
 
@@ -407,12 +555,9 @@ def test_fetch_inlines_images_and_fetches_a_repeated_url_once():
         url = f"{server.base}/cat.png"
         body = chat(image_part(url), {"type": "input_image", "image_url": url},
                     image_part(f"{server.base}/redirect"))
-        await fetcher.inline(check_request(body, CHAT_PATH, fetcher.limits))
-        expected = data_url(server.image)
-        parts = body["messages"][1]["content"]
-        assert parts[1]["image_url"]["url"] == expected
-        assert parts[2]["image_url"] == expected
-        assert parts[3]["image_url"]["url"] == expected
+        items = parse(body, fetcher.limits).downloads()
+        await fetcher.inline(items)
+        assert [item.url for item in items] == [data_url(server.image)] * 3
         assert server.hits == {"cat.png": 2, "redirect": 1}  # once direct, once redirected
     with_server(scenario)
 
@@ -454,3 +599,46 @@ def test_unreachable_host_is_a_400():
     err, _ = fetch_error(lambda: RemoteFetcher(REMOTE, allow_private=True),
                          f"http://127.0.0.1:{port}/cat.png")
     assert_error(err, 400, "fetch_failed", "127.0.0.1")
+
+
+def clips(server, n: int) -> dict:
+    return chat(*[{"type": "video_url", "video_url": f"{server.base}/clip.mp4?n={i}"}
+                  for i in range(n)])
+
+
+def test_a_requests_downloads_share_one_byte_budget():
+    async def scenario(server, fetcher):
+        with pytest.raises(ProxyError) as caught:
+            await fetcher.inline(parse(clips(server, 2), fetcher.limits).downloads())
+        return caught.value
+    err = with_server(scenario, Limits(allow_remote_urls=True,
+                                       max_fetched_bytes_per_request=6000))
+    assert_error(err, 413, "media_too_large", "6000", "max_fetched_bytes_per_request")
+
+
+@pytest.mark.parametrize("slots", [1, 3])
+def test_downloads_wait_for_one_of_the_proxys_slots(slots):
+    async def scenario(server, fetcher):
+        items = parse(clips(server, 6), fetcher.limits).downloads()
+        await fetcher.inline(items)
+        assert all(item.url.startswith("data:video/mp4;base64,") for item in items)
+        return server.most_sending
+    assert with_server(scenario, Limits(allow_remote_urls=True,
+                                        max_fetches_in_flight=slots)) == slots
+
+
+def test_downloads_count_against_the_proxys_byte_budget():
+    from epd_serve.proxy.admission import Admission
+    from epd_serve.proxy.metrics import ProxyMetrics
+
+    limits = Limits(allow_remote_urls=True, max_body_bytes=1000, max_body_bytes_in_flight=6000)
+
+    async def scenario(server, fetcher):
+        admission = Admission(limits, ProxyMetrics())
+        with admission.admit() as ticket:
+            with pytest.raises(ProxyError) as caught:
+                await fetcher.inline(parse(clips(server, 2), limits).downloads(), ticket)
+            assert admission.body_bytes == ticket.body_bytes > 0
+        assert admission.body_bytes == 0  # given back with the request
+        return caught.value
+    assert_error(with_server(scenario, limits), 503, "overloaded", "max_body_bytes_in_flight")

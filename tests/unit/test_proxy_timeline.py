@@ -1,6 +1,7 @@
-"""A request's timeline: one W3C trace id from the client (or the proxy) to every hop,
-the proxy's own spans of each hop, the engines' spans received over OTLP/HTTP and
-filed under the request, and the waterfall and per-stage parts read from it."""
+"""A request's timeline: an id the proxy issues, one W3C trace id from the client (or
+the proxy) to every hop, the proxy's own spans of each hop, the engines' spans received
+over OTLP/HTTP with the internal token and filed under the request whose hop is their
+parent, bounded retention, and the waterfall and per-stage parts read from it."""
 
 from __future__ import annotations
 
@@ -47,12 +48,12 @@ def engine_export(traceparent: str, service: str, start_ns: int, ttft_s: float,
     return encode_spans(exporter.get_finished_spans()).SerializeToString()
 
 
-def test_a_valid_traceparent_keeps_its_trace_and_anything_else_gets_a_new_one():
-    assert timeline.trace_id_of(f"00-{TRACE}-00f067aa0ba902b7-01") == TRACE
+def test_a_valid_traceparent_keeps_its_trace_and_every_request_gets_an_id_of_its_own():
+    assert timeline.client_trace_id(f"00-{TRACE}-00f067aa0ba902b7-01") == TRACE
     for bad in (None, "", "garbage", f"00-{'0' * 32}-00f067aa0ba902b7-01", f"00-{TRACE}-xyz-01"):
-        new = timeline.trace_id_of(bad)
-        assert re.fullmatch(r"[0-9a-f]{32}", new) and new != TRACE
-    assert timeline.trace_id_of(None) != timeline.trace_id_of(None)
+        assert timeline.client_trace_id(bad) is None
+    new = timeline.new_timeline_id()
+    assert re.fullmatch(r"[0-9a-f]{32}", new) and new != timeline.new_timeline_id()
 
 
 def test_engine_phases_end_prefill_at_the_first_token():
@@ -76,26 +77,73 @@ def test_otlp_spans_are_read_with_their_trace_parent_source_and_attributes():
     assert span.attrs["gen_ai.usage.prompt_tokens"] == 20
 
 
-def test_the_store_files_early_spans_finds_by_any_id_and_forgets_the_oldest():
+def hop_span(span_id: str) -> timeline.Span:
+    return timeline.Span("P hop", "proxy", 0, 9, span_id)
+
+
+def test_the_store_files_engine_spans_under_their_hop_and_forgets_the_oldest():
     store = timeline.TraceStore(capacity=2)
-    early = timeline.Span("llm_request", "d0", 5, 9)
-    assert store.add_engine_spans([("t1", early)]) == 0  # its request has not ended yet
-    store.add(timeline.Timeline("t1", "client-1", "client-1-epd-x-1", 0))
-    assert store.get("t1").spans == [early]
-    assert store.get("client-1") is store.get("client-1-epd-x-1") is store.get("t1")
-    store.add(timeline.Timeline("t2", "c2", "e2", 0))
-    store.add(timeline.Timeline("t3", "c3", "e3", 0))
-    assert store.get("t1") is None and store.get("client-1") is None
-    assert [t.trace_id for t in store.recent(5)] == ["t3", "t2"]
+    early = timeline.Span("llm_request", "d0", 5, 9, parent_id="a" * 16)
+    assert store.add_engine_spans([(TRACE, early)]) == 0  # its request has not ended yet
+    first = timeline.Timeline("t1", TRACE, "client-1", "client-1-epd-x", 0,
+                              spans=[hop_span("a" * 16)], tenant="anonymous")
+    store.add(first)
+    assert early in store.get("t1", "anonymous").spans
+    assert store.get("client-1", "anonymous") is store.get("client-1-epd-x", "anonymous") \
+        is first
+    assert store.get("t1", "key-1") is None  # another tenant's: not there for it
+    # A second request of the same trace (the client's traceparent) keeps its own.
+    late = timeline.Span("llm_request", "d0", 6, 8, parent_id="b" * 16)
+    store.add(timeline.Timeline("t2", TRACE, "c2", "e2", 0, spans=[hop_span("b" * 16)],
+                                tenant="anonymous"))
+    assert store.add_engine_spans([(TRACE, late)]) == 1
+    assert late not in first.spans and late in store.get("t2", "anonymous").spans
+    store.add(timeline.Timeline("t3", "c" * 32, "c3", "e3", 0, tenant="anonymous"))
+    assert store.get("t1", "anonymous") is None and store.get("client-1", "anonymous") is None
+    assert [t.id for t in store.recent(5, "anonymous")] == ["t3", "t2"]
+    assert store.recent(5, "key-1") == []
+
+
+def test_retention_stays_bounded_whatever_ids_clients_and_exports_send():
+    store = timeline.TraceStore(capacity=50, max_waiting=100, max_spans=4)
+    for n in range(10_000):  # one trace id, one client request id, for every request
+        store.add(timeline.Timeline(f"t{n}", TRACE, "same", f"e{n}", 0,
+                                    spans=[hop_span(f"{n:016x}")], tenant="anonymous"))
+    assert len(store) == 50
+    assert len(store._by_hop) == len(store._by_engine_id) == 50
+    assert len(store._by_client_id) == 1 and store.get("same", "anonymous").id == "t9999"
+    # Spans naming hops nobody has (yet): at most max_waiting wait; the rest are dropped.
+    flood = [(TRACE, timeline.Span("x", "d0", 0, 1, parent_id=f"{n:016x}ff"))
+             for n in range(1000)]
+    store.add_engine_spans(flood)
+    assert store._waiting_spans == 100 and store.dropped_spans == 900
+    # A timeline takes at most max_spans of an engine's spans.
+    store.add_engine_spans([(TRACE, timeline.Span("x", "d0", 0, 1, parent_id=f"{9999:016x}"))
+                            for _ in range(10)])
+    assert store.get("t9999", "anonymous").engine_spans == 4
+
+
+INTERNAL = {"x-epd-internal-token": "engines-only"}
+
+
+@pytest.fixture
+def internal_token(monkeypatch):
+    """The deployment's internal token, as the launcher hands it to the proxy and the
+    engines (whose OTLP exporters send it as a header)."""
+    monkeypatch.setenv("EPD_INTERNAL_TOKEN", "engines-only")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_HEADERS", "x-epd-internal-token=engines-only")
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_every_hop_carries_the_clients_trace_and_the_timeline_holds_each_hop(stream):
+def test_every_hop_carries_the_clients_trace_and_the_timeline_holds_each_hop(
+        stream, internal_token):
     with deployment(["E", "P", "D"]) as d:
         resp = chat(d, "what is this", [IMAGE], max_tokens=4, stream=stream,
                     headers={"traceparent": f"00-{TRACE}-00f067aa0ba902b7-01",
                              "x-request-id": "client-9"})
-        assert resp.status_code == 200 and resp.headers["x-epd-trace-id"] == TRACE
+        assert resp.status_code == 200
+        timeline_id = resp.headers["x-epd-trace-id"]  # the proxy's own, not the client's
+        assert re.fullmatch(r"[0-9a-f]{32}", timeline_id) and timeline_id != TRACE
         parents = {}
         for name in ("e0", "p1", "d2"):
             (seen,) = d.seen(name)
@@ -123,7 +171,7 @@ def test_every_hop_carries_the_clients_trace_and_the_timeline_holds_each_hop(str
         body = engine_export(d.seen("d2")[0]["traceparent"], "d2", d2_start,
                              0.002, 0.0005, 0.001, 0.003)
         posted = httpx.post(f"{d.proxy.url}/v1/traces", content=body,
-                            headers={"content-type": "application/x-protobuf"})
+                            headers={"content-type": "application/x-protobuf", **INTERNAL})
         assert posted.status_code == 200
         # So does our KV connector in the engine core, for the transfer it received.
         spans = ConnectorSpans(f"{d.proxy.url}/v1/traces", "d2")
@@ -132,7 +180,7 @@ def test_every_hop_carries_the_clients_trace_and_the_timeline_holds_each_hop(str
                                                     "epd.kv.groups": 2, "epd.kv.bytes": 4096},
                      [("layers 0-1 landed", d2_start + 400_000)])
         spans.close()
-        found = d.client.get(f"/v1/traces/{TRACE}").json()
+        found = d.client.get(f"/v1/traces/{timeline_id}").json()
         engine = [s for s in found["spans"] if s["source"] == "d2"]
         assert {s["name"] for s in engine} == {"llm_request", "kv receive", *view.PHASES}
         waterfall = view.rows(found)
@@ -150,14 +198,17 @@ def test_every_hop_carries_the_clients_trace_and_the_timeline_holds_each_hop(str
         assert parts["total"] >= parts["D hop"]
 
 
-def test_bad_exports_and_unknown_traces_get_clear_errors():
-    with deployment(["P", "D"]) as d:
+def test_bad_exports_and_unknown_traces_get_clear_errors(internal_token):
+    with deployment(["P", "D"], limits={"max_trace_body_bytes": 4096}) as d:
         url = f"{d.proxy.url}/v1/traces"
-        json_export = httpx.post(url, json={"resourceSpans": []})
+        json_export = httpx.post(url, json={"resourceSpans": []}, headers=INTERNAL)
         assert json_export.status_code == 415 and "protobuf" in json_export.text
         garbage = httpx.post(url, content=b"\xff\x00not protobuf",
-                             headers={"content-type": "application/x-protobuf"})
+                             headers={"content-type": "application/x-protobuf", **INTERNAL})
         assert garbage.status_code == 400 and "OTLP" in garbage.text
+        huge = httpx.post(url, content=b"\0" * 5000,
+                          headers={"content-type": "application/x-protobuf", **INTERNAL})
+        assert huge.status_code == 413 and "max_trace_body_bytes" in huge.text
         missing = d.client.get("/v1/traces/nobody")
         assert missing.status_code == 404 and "nobody" in missing.json()["error"]["message"]
         assert chat(d, "x").status_code == 200
@@ -165,16 +216,28 @@ def test_bad_exports_and_unknown_traces_get_clear_errors():
         assert "spans" not in recent and recent["status"] == 200
 
 
-def test_reading_traces_takes_the_api_key_but_engines_export_without_it(monkeypatch):
-    monkeypatch.setenv("EPD_TEST_KEY", "sekret")
+def test_reading_traces_takes_a_key_and_shows_its_tenants_only_exporting_the_token(
+        monkeypatch, internal_token):
+    monkeypatch.setenv("EPD_TEST_KEY", "sekret,other")
     with deployment(["P", "D"], api_key_env="EPD_TEST_KEY",
                     client_headers={"authorization": "Bearer sekret"}) as d:
-        assert chat(d, "x").status_code == 200
+        resp = chat(d, "x", headers={"x-request-id": "mine"})
+        assert resp.status_code == 200
         assert httpx.get(f"{d.proxy.url}/v1/traces").status_code == 401
-        assert d.client.get("/v1/traces").status_code == 200
+        assert [t["request_id"] for t in d.client.get("/v1/traces").json()] == ["mine"]
+        other = {"authorization": "Bearer other"}
+        assert d.client.get("/v1/traces", headers=other).json() == []
+        for key in ("mine", resp.headers["x-epd-trace-id"]):
+            assert d.client.get(f"/v1/traces/{key}").status_code == 200
+            assert d.client.get(f"/v1/traces/{key}", headers=other).status_code == 404
         body = engine_export(f"00-{TRACE}-00f067aa0ba902b7-01", "p0", 10**18, 0.1, 0, 0, 0)
-        assert httpx.post(f"{d.proxy.url}/v1/traces", content=body, headers={
-            "content-type": "application/x-protobuf"}).status_code == 200
+        protobuf = {"content-type": "application/x-protobuf"}
+        url = f"{d.proxy.url}/v1/traces"
+        assert httpx.post(url, content=body, headers=protobuf).status_code == 401
+        # A client's key is no engine's token.
+        assert httpx.post(url, content=body, headers={
+            **protobuf, "authorization": "Bearer sekret"}).status_code == 401
+        assert httpx.post(url, content=body, headers={**protobuf, **INTERNAL}).status_code == 200
 
 
 def test_a_load_run_reports_where_the_median_request_went_and_its_tail(tmp_path):

@@ -18,7 +18,14 @@ from epd_serve.runtime import deploy
 from epd_serve.runtime import launcher as local
 from epd_serve.runtime import plan as plan_mod
 from epd_serve.runtime.child import Child
-from epd_serve.runtime.plan import RUN_DIR, fill_run_dir, startup_plan
+from epd_serve.proxy.tenancy import INTERNAL_TOKEN_ENV
+from epd_serve.runtime.plan import (
+    RUN_DIR,
+    fill_run_dir,
+    span_export_env,
+    startup_plan,
+    with_internal_token,
+)
 from epd_serve.runtime.shell import emit_shell
 
 REPO = Path(__file__).resolve().parents[2]
@@ -103,7 +110,9 @@ def test_the_plan_starts_the_store_then_the_instances_then_the_proxy(
     for step in steps[len(stores):-1]:
         launch = launches[step.name]
         assert step.command == tuple(dep.platform.command(launch))
-        assert step.env == dep.platform.environment(launch)
+        assert step.env == {**dep.platform.environment(launch), **span_export_env(launch)}
+        # An engine exporting spans sends them with the bring-up's internal token.
+        assert ("OTEL_EXPORTER_OTLP_TRACES_HEADERS" in step.env) == bool(launch.traces_endpoint)
         assert (step.node, step.devices, step.address) == (launch.node, launch.devices,
                                                             launch.host)
         assert step.start_timeout_s == dep.config.health_timeout_s  # loads a model
@@ -135,8 +144,15 @@ def test_the_local_launcher_starts_the_plan(path, tmp_path, monkeypatch):
 
     work = str(dep.work_dir)
     steps = startup_plan(dep)
+    token = launcher._internal_token
     assert [(c.name, c.command, c.env, c.health_url) for c in started] == [
-        (s.name, [fill_run_dir(w, work) for w in s.command], s.env, s.health_url) for s in steps]
+        (s.name, [fill_run_dir(w, work) for w in s.command], with_internal_token(s.env, token),
+         s.health_url) for s in steps]
+    # The proxy and every engine that exports spans share one token, new each bring-up.
+    proxy_child = next(c for c in started if c.name == "proxy")
+    assert proxy_child.env[INTERNAL_TOKEN_ENV] == token and len(token) == 32
+    assert all(c.env["OTEL_EXPORTER_OTLP_TRACES_HEADERS"] == f"x-epd-internal-token={token}"
+               for c in started if "OTEL_EXPORTER_OTLP_TRACES_HEADERS" in c.env)
     # Each waited-on step is waited for once, before the first step that needs it starts;
     # an instance that shares a device only after the one before it there serves.
     waits = DEVICE_WAITS.get(name_of(path), {})
@@ -176,7 +192,8 @@ def test_the_shell_script_starts_the_plan(path, tmp_path):
                     for w in step.command]
         at = next(i for i, w in enumerate(words) if words[i:i + len(expected)] == expected)
         env = words[at - len(step.env):at]
-        assert dict(w.split("=", 1) for w in env) == step.env, step.name
+        assert dict(w.split("=", 1) for w in env) == with_internal_token(
+            step.env, "$EPD_INTERNAL_TOKEN"), step.name
     # Up to the proxy's start: the waits of the plan, each said why, where they belong;
     # then every step is waited for.
     lines = script.splitlines()
@@ -238,8 +255,10 @@ def test_the_ray_launcher_starts_the_plan(path, tmp_path, monkeypatch):
     launcher.start()
 
     steps = startup_plan(dep)
+    token = launcher._internal_token
     assert [(s.name, s.command, s.env, s.address, s.ports, s.files) for s, *_ in started] == [
-        (st.name, list(st.command), st.env, st.address, st.ports, st.files) for st in steps]
+        (st.name, list(st.command), with_internal_token(st.env, token), st.address, st.ports,
+         st.files) for st in steps]
     assert [(node, url) for _, node, url, _ in started] == [(s.node, s.health_url)
                                                             for s in steps]
     # Devices are reserved once, before the first instance; only instances take a group.
