@@ -44,7 +44,7 @@ class Images:
         # reference (they then load the stored feature under the key, or encode the
         # image themselves).
         self.pixel_body = parsed.sent
-        self.parts = [item.sent_part() for item in items]
+        self.parts = [parsed.sent["messages"][m]["content"][p] for m, p in self._positions]
         # key -> placeholder metadata (e.g. image_grid_thw), as the encoder published it
         self.placeholders: dict[str, dict] = {}
         self.ec_params: dict = {}  # every encoder's ec_transfer_params, merged

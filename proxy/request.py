@@ -404,9 +404,10 @@ def _check_embeddings(item: MediaItem, limits: Limits) -> None:
             "accepted by this deployment; send the media itself, or have the operator set "
             "`proxy: {limits: {allow_client_embeddings: true}}`", "client_embeddings")
     value = item.embeddings
-    tensors = isinstance(value, str) and value or (
-        isinstance(value, dict) and value and all(isinstance(v, str) and v
-                                                  for v in value.values()))
+    if isinstance(value, dict):
+        tensors = bool(value) and all(isinstance(v, str) and v for v in value.values())
+    else:
+        tensors = isinstance(value, str) and bool(value)
     if not tensors:
         # Without a tensor, vLLM reads the part as a reference to a feature it already
         # holds under the part's uuid: only the proxy makes those.
