@@ -6,7 +6,7 @@
     read of each feature) and the memcpy, so both pay the same page faults.
 (b) E -> P hand-off per image size: from the producer holding the encoder output to the
     consumer process holding it. Ours: put, then the prefetch hint, then the consumer's
-    prefetch listener (the connector's own class) pulls it. vLLM's connectors: driven by
+    feature loader (the connector's own class) pulls it. vLLM's connectors: driven by
     benchmarks/ec_peers.py with their real classes.
 (c) Prefetch overlap on a real E-P-D deployment of the tiny model (features 256 wide):
     images of each size through the proxy; prefill's worker logs, per feature, the
@@ -58,11 +58,11 @@ LOADED_RE = re.compile(r"epd-ec loaded mm_hash=(\S+) bytes=(\d+) source=(\w+) wa
 def _consumer(spec_json: str, conn) -> None:
     """Serves ('get', key), ('memcpy', nbytes) and ('prefetch', key) commands; answers
     seconds (or, for prefetch, the monotonic time the feature was local)."""
-    from epd_serve.connectors.epd_ec.prefetch import Prefetcher
+    from epd_serve.connectors.epd_ec.loader import FeatureLoader
 
     spec = StoreSpec.from_json(spec_json)
     store = open_store(spec)
-    prefetcher = None
+    loader = None
     # Written before each timed read: the bytes read come from memory, not from a CPU
     # cache, for the get and for the memcpy alike (between E's put and P's get much
     # else runs; a memcpy of bytes just generated would be flattered by the cache).
@@ -89,17 +89,17 @@ def _consumer(spec_json: str, conn) -> None:
             conn.send(time.perf_counter() - start)
             del copy, src
         elif cmd == "listen":
-            prefetcher = Prefetcher(store, "127.0.0.1", arg, budget_bytes=1 << 34)
+            loader = FeatureLoader(store, budget_bytes=1 << 30, listen=("127.0.0.1", arg))
             conn.send(True)
         elif cmd == "claim":
-            item = None
-            while item is None:
-                item = prefetcher.claim(arg)
-                time.sleep(0.0002) if item is None else None
-            item.done.wait(60)
-            conn.send(item.ready_at if item.result is not None else None)
-    if prefetcher is not None:
-        prefetcher.close()
+            while not loader.has_copy(arg):
+                time.sleep(0.0002)
+            item = loader.want(arg)  # as a request takes it, and gives it back
+            loader.hold(item)
+            loader.release(item)
+            conn.send(item.ready_at)
+    if loader is not None:
+        loader.close()
     store.close()
 
 

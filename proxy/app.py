@@ -133,7 +133,7 @@ class Proxy:
                                         sock_read=self.config.request_timeout_s)
         self.session = aiohttp.ClientSession(connector=connector, timeout=timeout,
                                              auto_decompress=False)
-        upstream = Upstream(self.router, self.session, self.metrics)
+        upstream = Upstream(self.router, self.session, self.metrics, self.config.deadlines)
         self.pipeline = Pipeline(self.table, self.router, upstream, self.config)
         self.membership = Membership(self.table, self.session, self.metrics, self.config)
         self.membership.save()
@@ -242,7 +242,12 @@ def create_app(config: ProxyConfig) -> web.Application:
             response = web.StreamResponse(headers=headers)
             response.content_type = "text/event-stream"
             status = 200
-            await _relay(request, response, result, metrics, trip, arrived)
+            broken = await _relay(request, response, result, metrics, trip, arrived)
+            if broken is not None:  # the client was told inside the stream
+                status = broken.status
+                metrics.failures.labels(broken.reason).inc()
+                log.warning("%s %s -> %d mid-stream: %s", request.method, request.path,
+                            broken.status, broken.message)
             return response
         except ProxyError as err:
             status = err.status
@@ -328,8 +333,9 @@ def create_app(config: ProxyConfig) -> web.Application:
             {"id": config.model, "object": "model", "owned_by": "epd-serve"}]})
 
     async def health(request: web.Request) -> web.Response:
-        """ok: every stage has a healthy instance. degraded (200): a stage has none, but
-        text is served, and its work is done by another stage (stand_ins, e.g. "P>D") or
+        """ok: every stage has a healthy instance. degraded (200): a stage has none (each
+        down, or found hung: upstream.py), but text is served, and its work is done by
+        another stage (stand_ins, e.g. "P>D": the stages that run on stand-ins) or
         only the requests that need it are refused (images without an encoder, with
         encode_fallback: refuse). unavailable (503): text cannot be served."""
         instances, roster = proxy.table.instances, proxy.table.roster
@@ -424,30 +430,41 @@ def create_app(config: ProxyConfig) -> web.Application:
 
 
 async def _relay(request: web.Request, response: web.StreamResponse, stream, metrics,
-                 trip: Trip, arrived: float) -> None:
+                 trip: Trip, arrived: float) -> ProxyError | None:
     """Pass the answer on as it comes, timing the first event and the ones after it.
     If the client leaves, the write fails (or the handler is cancelled) and closing the
-    stream closes the instance's connection, which makes its engine abort."""
+    stream closes the instance's connection, which makes its engine abort. If the
+    instance breaks off (or hangs) mid-stream, the status has long been sent: the
+    stream ends with an error event, as vLLM ends one that fails, and the error is
+    returned."""
     first = last = None
     events = 0
+    broken = None
     async with contextlib.aclosing(stream):
         await response.prepare(request)
-        async for chunk in stream:
-            now = time.perf_counter()
-            if first is None:
-                first = now
-            events += chunk.count(b"data: ")
-            last = now
-            await response.write(chunk)
-            trip.relayed_ns.append(time.time_ns())
+        try:
+            async for chunk in stream:
+                now = time.perf_counter()
+                if first is None:
+                    first = now
+                events += chunk.count(b"data: ")
+                last = now
+                await response.write(chunk)
+                trip.relayed_ns.append(time.time_ns())
+        except ProxyError as err:
+            broken = err
+            # An event may have been cut mid-line: start the error on a line of its own.
+            await response.write(b"\n\ndata: " + msgspec.json.encode(err.to_body())
+                                 + b"\n\ndata: [DONE]\n\n")
     await response.write_eof()
     final = next((s.instance for s in reversed(trip.stages)
                   if s.stage == trip.final_hop and not s.failed), "?")
     if first is not None:
         metrics.child(metrics.first_token_seconds, final).observe(first - arrived)
-        if events > 2:  # the last event is [DONE]
+        if events > 2 and broken is None:  # the last event is [DONE]
             metrics.child(metrics.token_seconds, final).observe(
                 (last - first) / (events - 2))
+    return broken
 
 
 def _observe_transfer(metrics: ProxyMetrics, trip: Trip) -> None:

@@ -103,6 +103,40 @@ class RoutingSettings(BaseModel):
         return self
 
 
+class FirstByteSeconds(BaseModel):
+    """Per stage, how long a hop waits for its instance's first byte (the answer's
+    headers) before the proxy asks whether the instance is alive at all. A merged
+    prefill+decode instance counts as D; an instance standing in for another stage
+    counts as its own (a prefill instance decoding: P)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    E: float = Field(10.0, gt=0, description="Encoder hops (headers come with the answer).")
+    P: float = Field(10.0, gt=0, description="Prefill hops.")
+    D: float = Field(10.0, gt=0, description="Decode hops (a streamed answer's headers "
+                     "come once the request is parsed; a whole answer's at its end).")
+
+
+class Deadlines(BaseModel):
+    """When the proxy stops trusting an instance that is silent (upstream.py). Past a
+    deadline it asks the instance's /health: an instance that answers is slow, not hung,
+    and is waited for (request_timeout_s at most), asked again each deadline; one that
+    does not answer within `alive_timeout_s` is hung (a stopped process): the hop fails
+    as if its connection were refused (another instance, else a stand-in, else 504) and
+    the instance is out of routing until a probe succeeds again. So a deadline need not
+    cover a cold first request or a long answer: it bounds how long a hung instance
+    holds a request, not how long an instance may compute."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    first_byte_s: FirstByteSeconds = Field(default_factory=FirstByteSeconds)
+    stream_idle_s: float = Field(30.0, gt=0, description="Silence inside an answer (between "
+                                 "two chunks of a stream, or before the rest of a body) "
+                                 "before the instance is asked whether it is alive.")
+    alive_timeout_s: float = Field(5.0, gt=0, description="How long that /health may take: "
+                                   "as long as a probe's, which a busy engine answers in.")
+
+
 class ProxySettings(BaseModel):
     """The `proxy:` section of a deployment file."""
 
@@ -110,6 +144,7 @@ class ProxySettings(BaseModel):
 
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
     limits: Limits = Field(default_factory=Limits)
+    deadlines: Deadlines = Field(default_factory=Deadlines)
     api_key_env: str | None = Field(None, description="Environment variable holding the key "
                                     "clients must send (Authorization: Bearer), or several "
                                     "separated by commas, one per tenant; none: open.")
@@ -120,7 +155,8 @@ class ProxySettings(BaseModel):
         "tenants both send is computed once per tenant.")
     admin_key_env: str = Field("EPD_ADMIN_KEY", description="Environment variable holding the "
                                "key for /instances changes; unset: registration is off.")
-    request_timeout_s: float = Field(600.0, gt=0)
+    request_timeout_s: float = Field(600.0, gt=0, description="The longest wait on an "
+                                     "instance that is alive but silent (deadlines).")
     health_interval_s: float = Field(2.0, gt=0)
     unhealthy_after: int = Field(3, ge=1, description="Failed probes in a row before an "
                                  "instance that still accepts connections is taken out.")

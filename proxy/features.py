@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 
 import msgspec
 import zmq
@@ -26,6 +27,10 @@ from epd_serve.proxy.request import ParsedRequest, with_parts
 
 log = logging.getLogger("epd_serve.proxy.features")
 
+
+# After a failed attempt to open the MM Store (its server down, or not started yet), the
+# next is made no sooner than this; requests meanwhile go without the store.
+REOPEN_EVERY_S = 5.0
 
 # Request fields an encoder needs besides the images: they change the feature (or, the
 # salt, which requests may share what the encoder caches).
@@ -93,6 +98,9 @@ class FeatureDirectory:
         self.spec = spec
         self._store: FeatureStore | None = None
         self._opening = threading.Lock()
+        self._attempt: asyncio.Task | None = None  # opening on a worker thread
+        self._failed = False  # an attempt failed: the next ones are not waited for
+        self._reopen_at = 0.0  # time.monotonic() of the next attempt after a failure
         self._ctx = zmq.Context()
         self._hint_socks: dict[str, zmq.Socket] = {}
         self._encode = msgspec.msgpack.Encoder()
@@ -112,18 +120,52 @@ class FeatureDirectory:
 
     def _client(self) -> FeatureStore:
         # Opened on first use (the store may come up after the proxy's first request),
-        # from the event loop or a worker thread (to_thread): once, under the lock.
+        # on a worker thread (it may wait on the store's server): once, under the lock.
         if self._store is None:
             with self._opening:
                 if self._store is None:
                     self._store = open_store(self.spec)
         return self._store
 
+    async def _open(self) -> FeatureStore | None:
+        """The store client, or None while the store cannot be opened. Opening asks the
+        store's server, which takes its whole deadline (2 s) when the server is down,
+        so it runs on a worker thread, never on the event loop. The first attempt is
+        waited for (the launcher starts the store before the proxy: it is normally
+        up); once one has failed, the next is made at most every REOPEN_EVERY_S, in the
+        background, and requests go on without the store meanwhile: their images are
+        encoded, and a reference prefill cannot load is recomputed from the pixels."""
+        if self._store is not None:
+            return self._store
+        if self._attempt is None and time.monotonic() >= self._reopen_at:
+            self._attempt = asyncio.create_task(self._try_to_open())
+        if self._attempt is not None and not self._failed:
+            await asyncio.shield(self._attempt)  # a client leaving stops no one else's
+        return self._store
+
+    async def _try_to_open(self) -> None:
+        try:
+            await asyncio.to_thread(self._client)
+        except Exception as err:  # StoreError, OSError, zmq's: no store to use now
+            self._failed = True
+            self._reopen_at = time.monotonic() + REOPEN_EVERY_S
+            log.warning("MM Store at %s cannot be opened (%s); requests go without it, "
+                        "next try in %g s", self.spec.address, err, REOPEN_EVERY_S)
+        else:
+            if self._failed:
+                log.info("MM Store at %s is open", self.spec.address)
+        finally:
+            self._attempt = None
+
     async def stored(self, keys: list[str]) -> dict[str, dict]:
         """key -> placeholder metadata for the keys the store holds now ({} where the
-        encoder published none: usable with the pixels, not as a reference)."""
+        encoder published none: usable with the pixels, not as a reference); {} while
+        the store cannot be opened."""
+        client = await self._open()
+        if client is None:
+            return {}
+
         def look() -> dict[str, dict]:
-            client = self._client()
             found = {}
             for key in keys:
                 meta = client.lookup(key)
@@ -157,6 +199,8 @@ class FeatureDirectory:
             pass  # listener gone or far behind: the load reads the store itself
 
     def close(self) -> None:
+        if self._attempt is not None:
+            self._attempt.cancel()  # the thread finishes its try; nobody waits for it
         for sock in self._hint_socks.values():
             sock.close()
         self._ctx.term()

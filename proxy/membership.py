@@ -3,7 +3,8 @@ load numbers, and instances joining and leaving at run time.
 
 Runs inside the proxy process as two background tasks (probe, engine metrics) plus
 the /instances routes' calls. An instance that refuses connections is out at once
-(its process is gone); one that answers slowly or with an error is out after
+(its process is gone), as is one a request found hung (upstream.py: silent past a
+deadline, /health too); one that answers slowly or with an error is out after
 `unhealthy_after` probes in a row, since a busy engine can miss one while still
 serving; either is back at its first good answer. The roster (instances from the
 deployment plus registered ones) is written to `roster_path` on every change and read

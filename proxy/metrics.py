@@ -46,6 +46,10 @@ class ProxyMetrics:
                                "instance, by stage.", ["stage"], registry=r)
         self.failures = Counter("epd_proxy_failures_total", "Requests that ended in an error, "
                                 "by reason.", ["reason"], registry=r)
+        self.hung = Counter("epd_proxy_instance_hung_total", "Times an instance was found "
+                            "hung: silent past a deadline (proxy.deadlines) and to a /health "
+                            "check; each time it was out of routing until a probe succeeded.",
+                            ["instance"], registry=r)
         self.healthy = Gauge("epd_proxy_instance_healthy", "1 if routing may use the "
                              "instance.", ["instance"], registry=r)
         self.body_bytes_in_flight = Gauge(

@@ -16,7 +16,7 @@ epd_proxy_fallbacks_total and shown as FALLBACK=... in x-epd-stages): with every
 a decode instance runs the request whole, computing the prompt; with every D down a
 prefill instance decodes it; with no encoder the instance computing the prompt gets
 the pixels (routing.encode_fallback). A hand-off whose end dies under a request (its
-connection refused) is planned again once with the live table.
+connection refused, or it hung: upstream.py) is planned again once with the live table.
 """
 
 from __future__ import annotations

@@ -84,10 +84,11 @@ class InstanceState:
             return engine.kv_cache_usage
         return engine.kv_cache_usage * self.engine_queue() / held
 
-    def refused(self, error: str) -> bool:
-        """A connection to it was refused: nothing listens (its process is gone), so it
-        is out at once, as a probe would decide, until it answers a probe again.
-        Returns True if it was routable until now."""
+    def take_out(self, error: str) -> bool:
+        """A connection to it was refused (nothing listens: its process is gone), or it
+        hung (silent past a deadline, /health too): it is out at once, as probes would
+        decide later, until it answers a probe again. Returns True if it was routable
+        until now."""
         was = self.healthy
         self.healthy = False
         self.engine = None

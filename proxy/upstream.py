@@ -9,6 +9,15 @@ here and nowhere else, which also feeds the hop metrics. An instance that refuse
 connection is taken out of routing at once (its process is gone), as a probe would; a
 connection the proxy itself cannot open (out of file descriptors or local ports) fails
 the request with a 503 and leaves the instance alone.
+
+An instance can also be there and silent: a stopped process (SIGSTOP, a wedged host)
+still has its connections accepted by the kernel, and would hold every request sent to
+it for request_timeout_s. So each wait on an instance has a deadline (config.Deadlines:
+a hop's first byte, then the silence inside its answer); past it the instance must
+answer a /health check, one per instance at a time, shared by every hop waiting on it.
+An instance that answers is slow, not hung, and is waited for; one that does not is
+hung (`Hung`): out of routing at once, as a refused connection is, and the hop fails
+the way a refused connection fails it.
 """
 
 from __future__ import annotations
@@ -18,13 +27,15 @@ import dataclasses
 import errno
 import logging
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+import weakref
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
 
 import aiohttp
 import msgspec
 from yarl import URL
 
+from epd_serve.proxy.config import Deadlines
 from epd_serve.proxy.errors import ProxyError
 from epd_serve.proxy.metrics import ProxyMetrics
 from epd_serve.proxy.routing import Router
@@ -36,16 +47,28 @@ log = logging.getLogger("epd_serve.proxy.upstream")
 
 JSON = {"content-type": "application/json"}
 _encode = msgspec.json.Encoder().encode
-# Errors that mean the instance could not be reached or broke the connection.
+
+
+class Hung(Exception):
+    """The instance went silent past a deadline and did not answer /health either."""
+
+
+# Errors that mean the instance could not be reached, broke the connection, or stopped
+# answering.
 TRANSPORT_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError,
-                    asyncio.TimeoutError)
+                    asyncio.TimeoutError, Hung)
 RETRIES_AFTER_5XX = 1
+# A liveness check's good answer stands this long: the hops waiting on a busy instance
+# ask its /health at most about once a second between them, however many they are.
+ALIVE_FOR_S = 1.0
 # Connect errors that are the proxy's own (its descriptors, ports, buffers), not the
 # instance's: another instance would fail the same way.
 LOCAL_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.EADDRNOTAVAIL, errno.EADDRINUSE,
                           errno.ENOBUFS, errno.ENOMEM})
 
-__all__ = ["Stream", "Upstream", "connect_failure", "single_token"]
+T = TypeVar("T")
+
+__all__ = ["Hung", "Stream", "Upstream", "connect_failure", "single_token"]
 
 
 def connect_failure(err: BaseException) -> str | None:
@@ -80,6 +103,22 @@ def error_message(text: str) -> str:
     return text
 
 
+def broken_off(inst: InstanceState, err: BaseException) -> ProxyError:
+    """An answer that began and did not end: the connection broke, or the instance hung."""
+    if isinstance(err, Hung):
+        return ProxyError(502, f"instance {inst.name} stopped answering mid-answer: {err}",
+                          "upstream_error", unreachable=True, reason="instance_hung")
+    return ProxyError(502, f"instance {inst.name} broke off its answer: {type(err).__name__}",
+                      "upstream_error", unreachable=True, reason="broken_answer")
+
+
+def _drop_answer(task: asyncio.Task) -> None:
+    """Done-callback of a wait given up on: close an answer that came in anyway."""
+    if not task.cancelled() and task.exception() is None \
+            and isinstance(task.result(), aiohttp.ClientResponse):
+        task.result().close()
+
+
 def upstream_error(inst: InstanceState, status: int, text: str) -> ProxyError:
     """4xx is the client's request (vLLM validated it): passed on; 5xx is the instance's."""
     message = f"instance {inst.name} answered {status}: {error_message(text)}"
@@ -89,11 +128,20 @@ def upstream_error(inst: InstanceState, status: int, text: str) -> ProxyError:
 
 
 class Upstream:
-    def __init__(self, router: Router, session: aiohttp.ClientSession, metrics: ProxyMetrics):
+    def __init__(self, router: Router, session: aiohttp.ClientSession, metrics: ProxyMetrics,
+                 deadlines: Deadlines | None = None):
         self.router = router
         self.session = session
         self.metrics = metrics
+        self.deadlines = deadlines or Deadlines()
+        first_byte = self.deadlines.first_byte_s
+        # A merged PD instance answers as decode does.
+        self._first_byte_s = {"E": first_byte.E, "P": first_byte.P, "D": first_byte.D,
+                              "PD": first_byte.D}
         self._urls: dict[tuple[str, str], URL] = {}
+        self._checks: dict[InstanceState, asyncio.Task] = {}  # liveness checks under way
+        self._alive_at: weakref.WeakKeyDictionary[InstanceState, float] = \
+            weakref.WeakKeyDictionary()  # time.monotonic() of each one's last good check
 
     # -- leases ------------------------------------------------------------------------
     def _take(self, inst: InstanceState, hop: str, trip: Trip) -> Lease:
@@ -120,13 +168,74 @@ class Upstream:
         record.span_id, record.sent_ns = lease.span_id, lease.sent_ns
         record.first_byte_ns, record.done_ns = lease.first_byte_ns, time.time_ns()
 
-    def _refused(self, inst: InstanceState, error: str) -> None:
-        """Take an instance that refused a connection out now rather than at the next
-        probe: the requests arriving meanwhile are routed (or planned) without it."""
-        if inst.refused(error):
-            log.warning("instance %s refused a connection; out until it answers a probe",
-                        inst.name)
+    def _take_out(self, inst: InstanceState, error: str, why: str) -> None:
+        """Take an instance that refused a connection, or hung, out now rather than at
+        the next probes: the requests arriving meanwhile are routed (or planned)
+        without it. The first probe it answers brings it back."""
+        if inst.take_out(error):
+            log.warning("instance %s %s; out until it answers a probe", inst.name, why)
             self.metrics.healthy.labels(inst.name).set(0)
+
+    # -- silence -----------------------------------------------------------------------
+    async def patiently(self, inst: InstanceState, pending: Awaitable[T], deadline_s: float,
+                        what: str) -> T:
+        """Await `pending` (something `inst` is to send) for as long as the instance is
+        alive: after each `deadline_s` without it, the instance must answer a liveness
+        check, else Hung is raised and `pending` dropped (its connection closed)."""
+        task = asyncio.ensure_future(pending)
+        try:
+            while True:
+                done, _ = await asyncio.wait((task,), timeout=deadline_s)
+                if done:
+                    return task.result()
+                await self.still_alive(inst, deadline_s, what)
+        except BaseException:
+            if not task.done():
+                task.cancel()
+            task.add_done_callback(_drop_answer)
+            raise
+
+    async def still_alive(self, inst: InstanceState, silent_s: float, what: str) -> None:
+        """Raise Hung unless `inst`, silent for `silent_s` where `what` was due, answers
+        a liveness check. An instance already out of routing (a probe, or another hop's
+        check, found it down) is not asked again: routing gave up on it, and so does
+        the hop. One leaving the roster (draining) is asked: its hops are to finish."""
+        if not (inst.healthy or inst.draining):
+            raise Hung(f"sent no {what} within {silent_s:g} s and is out of routing "
+                       f"({inst.last_error})")
+        failed = await self._liveness(inst)
+        if failed is not None:
+            raise Hung(f"sent no {what} within {silent_s:g} s, and {failed}")
+
+    async def _liveness(self, inst: InstanceState) -> str | None:
+        """None if `inst` answers /health, else what went wrong. One check per
+        instance at a time, shared by the hops waiting on it, and shielded: a client
+        leaving does not cancel the others' check."""
+        if time.monotonic() - self._alive_at.get(inst, -ALIVE_FOR_S) < ALIVE_FOR_S:
+            return None
+        check = self._checks.get(inst)
+        if check is None:
+            check = self._checks[inst] = asyncio.create_task(self._check(inst))
+            check.add_done_callback(lambda _: self._checks.pop(inst, None))
+        return await asyncio.shield(check)
+
+    async def _check(self, inst: InstanceState) -> str | None:
+        timeout = self.deadlines.alive_timeout_s
+        try:
+            async with self.session.get(inst.entry.url + "/health",
+                                        timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+                if resp.status == 200:
+                    self._alive_at[inst] = time.monotonic()
+                    return None
+                failed = f"its /health answered {resp.status}"
+        except TRANSPORT_ERRORS as err:
+            if connect_failure(err) == "local":  # the proxy's own limit: no verdict
+                return None
+            failed = f"its /health did not answer within {timeout:g} s ({type(err).__name__})"
+        self.metrics.child(self.metrics.hung, inst.name).inc()
+        self._take_out(inst, f"hung: silent past a deadline, and {failed}",
+                       f"is hung (silent past a deadline, and {failed})")
+        return failed
 
     def note_retry(self, hop: str, trip: Trip) -> None:
         """A hop sent again to another instance (here, or by a KV hand-off's own loop)."""
@@ -139,12 +248,12 @@ class Upstream:
         """Run `body` on an instance of `hop` and return its JSON answer."""
         lease, resp = await self._send(hop, path, body, trip, candidates)
         try:
-            raw = await resp.read()
+            raw = await self.patiently(lease.inst, resp.read(), self.deadlines.stream_idle_s,
+                                       "rest of its answer")
         except TRANSPORT_ERRORS as err:
             resp.close()
-            self.release(lease, trip, f"answer broken off: {type(err).__name__}")
-            raise ProxyError(502, f"instance {lease.inst.name} broke off its answer",
-                             "upstream_error", unreachable=True, reason="broken_answer") from None
+            self.release(lease, trip, f"answer broken off: {type(err).__name__}: {err}")
+            raise broken_off(lease.inst, err) from None
         except BaseException:
             resp.close()  # the client left: closing the connection aborts the engine's work
             self.release(lease, trip, "cancelled", instance_fault=False)
@@ -199,6 +308,7 @@ class Upstream:
         payload = _encode(body)
         last, retries_after_5xx, reached = "", RETRIES_AFTER_5XX, False
         for index, inst in enumerate(order):
+            hung = False  # whether this attempt's instance held the request, silent
             if index:
                 self.note_retry(hop, trip)
             lease = self._take(inst, hop, trip)
@@ -208,10 +318,12 @@ class Upstream:
             headers = {**JSON, "X-Request-Id": trip.request_id,
                        "traceparent": hop_traceparent(trip.trace_id, lease.span_id)}
             try:
-                resp = await self._request(inst, path, payload, headers)
+                resp = await self.patiently(inst, self._request(inst, path, payload, headers),
+                                            self._first_byte_s[hop], "answer")
                 lease.first_byte_ns = time.time_ns()
             except TRANSPORT_ERRORS as err:
                 last = f"{inst.name}: {type(err).__name__}: {err}"
+                hung = isinstance(err, Hung)
                 failure = connect_failure(err)
                 if failure == "local":
                     self.release(lease, trip, last, instance_fault=False)
@@ -222,7 +334,7 @@ class Upstream:
                                      reason="proxy_resources") from None
                 self.release(lease, trip, last)
                 if failure == "refused":
-                    self._refused(inst, last)
+                    self._take_out(inst, last, "refused a connection")
                 continue
             except BaseException:
                 self.release(lease, trip, "cancelled", instance_fault=False)
@@ -238,6 +350,9 @@ class Upstream:
                 self.release(lease, trip, last)
                 continue
             return lease, resp
+        if hung:  # the last one held the request, silent: a gateway timeout
+            raise ProxyError(504, f"every {hop} instance failed; last error: {last}",
+                             "upstream_error", unreachable=not reached, reason="instance_hung")
         raise ProxyError(502, f"every {hop} instance failed; last error: {last}",
                          "upstream_error", unreachable=not reached, reason="instances_failed")
 
@@ -273,13 +388,15 @@ class Stream:
     async def finish(self) -> None:
         """Read the rest of the stream here (not relayed); raises ProxyError if the
         instance broke off or reported an error inside it."""
+        upstream = self.upstream
         try:
-            text = (await self.response.read()).decode(errors="replace")
+            raw = await upstream.patiently(self.inst, self.response.read(),
+                                           upstream.deadlines.stream_idle_s, "rest of its answer")
+            text = raw.decode(errors="replace")
         except TRANSPORT_ERRORS as err:
             self.response.close()
-            self._end(f"stream broken off: {type(err).__name__}")
-            raise ProxyError(502, f"instance {self.inst.name} broke off its answer: {err}",
-                             "upstream_error", unreachable=True, reason="broken_answer") from None
+            self._end(f"stream broken off: {type(err).__name__}: {err}")
+            raise broken_off(self.inst, err) from None
         except BaseException:
             self.response.close()
             self._end("cancelled", instance_fault=False)
@@ -301,14 +418,29 @@ class Stream:
     async def relay(self) -> AsyncIterator[bytes]:
         error: str | None = "relay stopped"
         fault = False
+        content = self.response.content
+        idle_s = self.upstream.deadlines.stream_idle_s
         try:
-            async for chunk in self.response.content.iter_any():
+            while True:
+                # A silent stream is given idle_s, then its instance must prove it is
+                # alive (a long prefill of another request can pause a decode stream).
+                # Cancelling a read on the timer loses nothing: data stays buffered.
+                timer = asyncio.timeout(idle_s)
+                try:
+                    async with timer:
+                        chunk = await content.readany()
+                except TimeoutError:
+                    if not timer.expired():
+                        raise  # aiohttp's own read timeout
+                    await self.upstream.still_alive(self.inst, idle_s, "stream chunk")
+                    continue
+                if not chunk:
+                    break
                 yield chunk
             error = None
         except TRANSPORT_ERRORS as err:
-            error, fault = f"stream broken off: {type(err).__name__}", True
-            raise ProxyError(502, f"instance {self.inst.name} broke off its answer",
-                             "upstream_error", reason="broken_answer") from None
+            error, fault = f"stream broken off: {type(err).__name__}: {err}", True
+            raise broken_off(self.inst, err) from None
         finally:
             if error is None:
                 self.response.release()

@@ -58,6 +58,38 @@ class MMStoreConfig(BaseModel):
         "ports from here, in plan order.")
 
 
+class Supervision(BaseModel):
+    """How the launcher keeps every process up and its log bounded; the defaults here are
+    the ones the launchers, the Ray hosts and the tests use. A process that exits is
+    restarted, with no limit: a stage comes back once whatever broke it is fixed. Crashes
+    in a row beyond `rapid_restarts` wait a back-off that doubles from `backoff_s` up to
+    `backoff_max_s` (as Kubernetes' CrashLoopBackOff); a process that stayed up
+    `healthy_after_s` starts its count of crashes over."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rapid_restarts: int = Field(
+        3, ge=0, description="Crashes in a row restarted at once; later ones wait the "
+        "back-off. The top-level key `max_restarts` is its older name.")
+    backoff_s: float = Field(1.0, gt=0, description="Wait before the first restart past "
+                             "rapid_restarts; doubles with every further crash in a row.")
+    backoff_max_s: float = Field(60.0, gt=0, description="The longest wait between restarts.")
+    healthy_after_s: float = Field(
+        60.0, gt=0, description="A process up this long counts as healthy: its next crash "
+        "is the first in a row again.")
+    log_max_bytes: ByteSize = Field(
+        ByteSize(50 << 20), ge=64 << 10, description="Size at which a process's log "
+        "<name>.log rolls over to <name>.log.1 (the older ones move up one).")
+    log_files: int = Field(3, ge=2, description="Log files kept per process, the current "
+                           "one included (so at least 2): at most log_files x log_max_bytes.")
+
+    @model_validator(mode="after")
+    def _cap_not_below_start(self) -> Supervision:
+        if self.backoff_max_s < self.backoff_s:
+            raise ValueError("backoff_max_s must be at least backoff_s")
+        return self
+
+
 class Deployment(BaseModel):
     """One deployment of one model: on one host, or across the nodes of `cluster`."""
 
@@ -132,7 +164,30 @@ class Deployment(BaseModel):
         "'x-epd-fault: drop-features' (deletes the request's features from the MM Store "
         "after the encoder, so prefill must recompute).")
     health_timeout_s: float = Field(600.0, description="How long start-up may take.")
-    max_restarts: int = Field(3, description="Restarts per instance before the launcher gives up.")
+    supervision: Supervision = Field(
+        default_factory=Supervision, description="Restarts (back-off, no limit) and log "
+        "rotation of every process the launcher starts.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _older_max_restarts(cls, data: Any) -> Any:
+        # Files written when the launcher gave up after `max_restarts` keep working: the
+        # key still says how many restarts come at once, only now the back-off follows
+        # instead of giving up.
+        if not isinstance(data, dict) or "max_restarts" not in data:
+            return data
+        data = dict(data)
+        rapid = data.pop("max_restarts")
+        supervision = data.get("supervision") or {}
+        if isinstance(supervision, Supervision):
+            supervision = supervision.model_dump(exclude_unset=True)
+        if not isinstance(supervision, dict):
+            return data  # the field's own validation names what is wrong with it
+        if supervision.get("rapid_restarts", rapid) != rapid:
+            raise ValueError("max_restarts is the older name of supervision.rapid_restarts; "
+                             "give only one of them")
+        data["supervision"] = {**supervision, "rapid_restarts": rapid}
+        return data
 
     @field_validator("deployment")
     @classmethod

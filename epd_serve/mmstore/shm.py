@@ -4,7 +4,9 @@ Used in E/P/D engine processes, the proxy and the benchmarks. The arena is mappe
 once, all of it; a get finds the feature in the directory and copies it out with no
 message to the server (shm_layout.py explains why that is safe), then reports the read
 without waiting; a pin is a lookup plus an unanswered message. Puts and deletes are
-round trips over one ZeroMQ DEALER socket.
+round trips over one ZeroMQ DEALER socket. Nothing waits on a server that is gone:
+each round trip has a deadline, messages that need no answer are dropped when they
+cannot leave at once, and a reader maps the new arena when the server restarted.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import mmap
 import os
 import threading
 import time
+from typing import NamedTuple
 
 import numpy as np
 import zmq
@@ -28,6 +31,20 @@ READ_ATTEMPTS = 3  # a read torn by a concurrent eviction is retried, then a mis
 # server (and take a core from the reader) for every get.
 REPORT_EVERY = 32
 REPORT_AFTER_S = 0.2
+# A reader that finds its arena retired asks for the new one at most this often (the
+# server may not be back yet; meanwhile it reads the old copy, still mapped).
+REMAP_EVERY_S = 1.0
+REMAP_TIMEOUT_MS = 500  # that question's deadline
+
+
+class Arena(NamedTuple):
+    """One mapping of a server's arena, swapped whole when the server restarted so a
+    read in another thread never mixes two arenas."""
+
+    arena_id: str
+    mapping: mmap.mmap
+    bytes: np.ndarray
+    directory: layout.Directory
 
 
 class NoAnswer(StoreError):
@@ -47,9 +64,15 @@ class ShmStore(FeatureStore):
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        # Queue messages only on a live connection: a send to a server that is gone
+        # waits at most a round trip's deadline, and nothing stale reaches its successor.
+        self._sock.setsockopt(zmq.IMMEDIATE, 1)
         self._sock.connect(f"tcp://{spec.address}")
         self._reads: list[wire.Request] = []
         self._reported_at = time.monotonic()
+        self._remap_after = 0.0
+        self._remapping = threading.Lock()
+        self.dropped_messages = 0  # pins, releases and read reports that could not leave
         try:
             deadline = time.monotonic() + open_wait_s
             while True:
@@ -64,9 +87,9 @@ class ShmStore(FeatureStore):
             self._ctx.term()
             raise
 
-    def _map_arena(self) -> None:
+    def _map_arena(self, timeout_ms: int | None = None) -> None:
         """Map the server's arena; again after the server restarted (new arena)."""
-        welcome = self._call(wire.Hello(0))
+        welcome = self._call(wire.Hello(0), timeout_ms)
         if not isinstance(welcome, wire.Welcome):
             raise StoreError(f"MM Store at {self.spec.address}: {welcome.reason}")
         fd = os.open(welcome.arena_path, os.O_RDWR)
@@ -74,34 +97,65 @@ class ShmStore(FeatureStore):
             # Map every page now (the server allocated them all): a first read of a
             # feature then copies at memcpy speed instead of faulting page by page, which
             # doubles its time. Costs 2 MiB of page tables per GiB, once per process.
-            self._arena = mmap.mmap(fd, welcome.arena_bytes,
-                                    flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+            mapping = mmap.mmap(fd, welcome.arena_bytes,
+                                flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
         finally:
             os.close(fd)
-        self._arena_id = welcome.arena_id
-        self._bytes = np.frombuffer(self._arena, dtype=np.uint8)
-        words = np.frombuffer(self._arena, dtype=np.uint64,
+        words = np.frombuffer(mapping, dtype=np.uint64,
                               count=welcome.nslots * layout.SLOT_WORDS)
-        self._directory = layout.Directory(words)
+        self._arena = Arena(welcome.arena_id, mapping, np.frombuffer(mapping, dtype=np.uint8),
+                            layout.Directory(words))
+
+    def _current_arena(self) -> Arena:
+        """The arena to read. When the server has retired it (a restart), the new one is
+        mapped on a thread of its own: asking the server may take its deadline, and a
+        read (on the proxy's event loop, say) must not wait for that; until then reads
+        go on in the old mapping, which still holds what it held."""
+        arena = self._arena
+        if (arena.directory.retired() and time.monotonic() >= self._remap_after
+                and not self._remapping.locked()):
+            self._remap_after = time.monotonic() + REMAP_EVERY_S
+            threading.Thread(target=self._remap, name="mmstore-remap", daemon=True).start()
+        return arena
+
+    def _remap(self) -> None:
+        with self._remapping:
+            try:
+                self._map_arena(REMAP_TIMEOUT_MS)
+            except (StoreError, OSError, zmq.ZMQError):
+                pass  # not back yet (or this client is closing): tried again later
 
     # -- transport -------------------------------------------------------------
-    def _call(self, req: wire.Request) -> wire.Reply:
+    def _call(self, req: wire.Request, timeout_ms: int | None = None) -> wire.Reply:
+        timeout_ms = timeout_ms or self.timeout_ms
         with self._lock:
             req.seq = next(self._seq)
-            self._sock.send(wire.encoder.encode(req))
-            while True:
-                if not self._sock.poll(self.timeout_ms):
+            try:
+                self._sock.send(wire.encoder.encode(req), zmq.NOBLOCK)
+            except zmq.Again:  # no live connection to queue it on
+                if not self._sock.poll(timeout_ms, zmq.POLLOUT):
                     raise NoAnswer(f"MM Store at {self.spec.address} did not answer in "
-                                     f"{self.timeout_ms} ms; is the store server running?")
+                                   f"{timeout_ms} ms (no connection); is the store server "
+                                   "running?") from None
+                self._sock.send(wire.encoder.encode(req), zmq.NOBLOCK)
+            while True:
+                if not self._sock.poll(timeout_ms):
+                    raise NoAnswer(f"MM Store at {self.spec.address} did not answer in "
+                                   f"{timeout_ms} ms; is the store server running?")
                 reply = wire.reply_decoder.decode(self._sock.recv())
                 if reply.seq == req.seq:
                     return reply
                 # else: the late answer to a request that already timed out
 
     def _tell(self, req: wire.Request) -> None:
+        """Send a message that needs no answer, or drop it if it cannot leave now: each
+        is advisory (a pin or a hold lapses by itself, a read report only counts)."""
         with self._lock:
             req.seq = next(self._seq)
-            self._sock.send(wire.encoder.encode(req))
+            try:
+                self._sock.send(wire.encoder.encode(req), zmq.NOBLOCK)
+            except zmq.Again:
+                self.dropped_messages += 1
 
     def _report(self, read: wire.Request) -> None:
         with self._lock:
@@ -115,18 +169,19 @@ class ShmStore(FeatureStore):
 
     # -- reads through the directory --------------------------------------------
     def _read(self, key: str, with_bytes: bool) -> tuple[np.ndarray | None, FeatureMeta] | None:
+        arena = self._current_arena()
         for _ in range(READ_ATTEMPTS):
-            found = self._directory.find(key)
+            found = arena.directory.find(key)
             if found is None:
                 break
             slot, row = found
             start = row[layout.OFFSET]
-            meta_bytes = bytes(self._arena[start:start + row[layout.META_LEN]])
+            meta_bytes = bytes(arena.mapping[start:start + row[layout.META_LEN]])
             data = None
             if with_bytes:
                 begin = start + layout.meta_span(row[layout.META_LEN])
-                data = self._bytes[begin:begin + row[layout.NBYTES]].copy()
-            if self._directory.still_valid(slot, row):
+                data = arena.bytes[begin:begin + row[layout.NBYTES]].copy()
+            if arena.directory.still_valid(slot, row):
                 return data, FeatureMeta.decode(meta_bytes)
         return None
 
@@ -135,19 +190,20 @@ class ShmStore(FeatureStore):
         view = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
         meta_bytes = meta.encode()
         placed = self._call(wire.Reserve(0, key, view.nbytes, meta_bytes))
-        if isinstance(placed, wire.Placed) and placed.arena_id != self._arena_id:
+        if isinstance(placed, wire.Placed) and placed.arena_id != self._arena.arena_id:
             # The server restarted since we mapped its arena: give the reservation
             # back, map the new arena, then ask again.
             self._call(wire.Abort(0, key))
             self._map_arena()
             placed = self._call(wire.Reserve(0, key, view.nbytes, meta_bytes))
-        if not isinstance(placed, wire.Placed) or placed.arena_id != self._arena_id:
+        arena = self._arena
+        if not isinstance(placed, wire.Placed) or placed.arena_id != arena.arena_id:
             return False
         try:
             start = placed.offset
-            self._arena[start:start + len(meta_bytes)] = meta_bytes
+            arena.mapping[start:start + len(meta_bytes)] = meta_bytes
             begin = start + layout.meta_span(len(meta_bytes))
-            self._bytes[begin:begin + view.nbytes] = view
+            arena.bytes[begin:begin + view.nbytes] = view
         except BaseException:
             self._call(wire.Abort(0, key))
             raise

@@ -7,6 +7,11 @@ Each slot is a seqlock: the server makes its generation odd, rewrites the slot, 
 makes it even again; a reader copies the feature between two reads of the generation
 and trusts the copy only if both are the same even number. Space of an evicted
 feature is reused only after its slot was cleared, so a torn read is always caught.
+
+A spare word of slot 0 marks an arena retired: its server stopped, or a server that
+started after it was killed took over. A client that finds it set maps the new arena
+(the old mapping outlives the file, so without the mark a reader would keep reading a
+directory nobody writes to any more).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import numpy as np
 import xxhash
 
 SLOT_WORDS = 8  # 64 bytes: gen, key_lo, key_hi, offset, meta_len, nbytes, 2 spare
-GEN, KEY_LO, KEY_HI, OFFSET, META_LEN, NBYTES = range(6)
+GEN, KEY_LO, KEY_HI, OFFSET, META_LEN, NBYTES, RETIRED = range(7)  # RETIRED: slot 0
 PAGE = 4096
 META_ALIGN = 64
 
@@ -68,6 +73,13 @@ class Directory:
 
     def still_valid(self, slot: int, row: list[int]) -> bool:
         return int(self.slots[slot, GEN]) == row[GEN]
+
+    def retired(self) -> bool:
+        return bool(self.slots[0, RETIRED])
+
+    def retire(self) -> None:
+        """Tell the arena's clients that no server writes to it any more."""
+        self.slots[0, RETIRED] = 1
 
     # -- writer side (the server only) ---------------------------------------
     def publish(self, slot: int, key: str, offset: int, meta_len: int, nbytes: int) -> None:

@@ -45,14 +45,23 @@ def arena_path(spec: StoreSpec, pid: int | None = None) -> Path:
 
 
 def remove_stale_arenas() -> list[Path]:
-    """Delete arenas whose server is gone (killed with SIGKILL): they hold memory."""
+    """Delete arenas whose server is gone (killed with SIGKILL): they hold memory. Each
+    is marked retired first, so that clients still mapping it map the new one."""
     removed = []
     for path in SHM_DIR.glob(f"{ARENA_PREFIX}*"):
         pid = path.name.rsplit("-", 1)[-1]
         if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            with contextlib.suppress(OSError, ValueError):
+                retire_arena(path)
             path.unlink(missing_ok=True)
             removed.append(path)
     return removed
+
+
+def retire_arena(path: Path) -> None:
+    with path.open("r+b") as file, mmap.mmap(file.fileno(), layout.PAGE) as head:
+        layout.Directory(np.frombuffer(head, dtype=np.uint64, count=layout.SLOT_WORDS)).retire()
+        del head  # the numpy view must go before the mapping closes
 
 
 class _Metrics:
@@ -181,6 +190,7 @@ class StoreServer:
     def close(self) -> None:
         self.sock.close()
         self.ctx.term()
+        self.index.directory.retire()
         self.path.unlink(missing_ok=True)
 
 

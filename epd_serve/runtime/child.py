@@ -1,5 +1,7 @@
 """One supervised local process: started in its own session and process group, told to
-die with its starter, restarted after its whole tree (leftovers included) is killed.
+die with its starter, restarted after its whole tree (leftovers included) is killed,
+at once or after a back-off that grows while it keeps crashing (never given up on);
+its output goes through a pipe into a log file that rolls over by size.
 
 Used by the local launcher (one Child per process of the start-up plan) and by the Ray
 host actor (one Child on its node). A child's tag (proctree.TAG_ENV) is inherited by
@@ -10,28 +12,44 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import fcntl
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+from epd_serve.deployment.config import Supervision
 from epd_serve.runtime.proctree import TAG_ENV, ProcessTree, kill_trees, plural
+from epd_serve.runtime.supervision import ChildLog, RestartBackoff
 
 STOP_GRACE_S = 20.0
 # A dead child's leftovers are killed before its restart, so the supervisor waits only
 # briefly for them to exit on SIGTERM (vLLM's engine core does, within a second).
 LEFTOVER_GRACE_S = 2.0
+LOG_DRAIN_S = 2.0  # how long a dead child's last output may take to reach its log
+PIPE_BYTES = 1 << 20  # Linux's default limit for an unprivileged process
+
+
+def _load_libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return None
+
+
+# Loaded here rather than in the forked child: the log threads run while a child is
+# forked, and the child must not need the dynamic loader's lock one of them might hold.
+_LIBC = _load_libc() if sys.platform.startswith("linux") else None
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+    if _LIBC is not None:
+        _LIBC.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def port_in_use(host: str, port: int) -> bool:
@@ -46,7 +64,9 @@ def port_in_use(host: str, port: int) -> bool:
 
 @dataclasses.dataclass
 class Child:
-    """One supervised process."""
+    """One supervised process: its output goes to a size-bounded log (ChildLog), and
+    after it exits it is started again after its back-off (RestartBackoff), for as long
+    as it keeps exiting."""
 
     name: str
     command: list[str]
@@ -54,27 +74,50 @@ class Child:
     log_path: Path
     health_url: str
     tag: str | None = None  # TAG_ENV's value, the same for every restart of this child
+    supervision: Supervision = dataclasses.field(default_factory=Supervision)
+    clock: Callable[[], float] = time.monotonic  # tests pass their own
     process: subprocess.Popen | None = None
     restarts: int = 0
     started_at: float = 0.0
     healthy: bool = False
-    gave_up: bool = False
+    # While it waits out its back-off: when its next start is due (clock time), and why
+    # it is down ("exited with code 4", "could not start: ...").
+    next_start_at: float | None = None
+    down_because: str = ""
+    _backoff: RestartBackoff | None = dataclasses.field(default=None, init=False, repr=False)
+    _log: ChildLog | None = dataclasses.field(default=None, init=False, repr=False)
+    _log_thread: threading.Thread | None = dataclasses.field(default=None, init=False,
+                                                             repr=False)
+
+    @property
+    def backoff(self) -> RestartBackoff:
+        if self._backoff is None:
+            self._backoff = RestartBackoff(self.supervision)
+        return self._backoff
 
     def start(self) -> None:
-        log = open(self.log_path, "ab")
-        log.write(f"\n==== epd-serve: starting {self.name} at {time.ctime()} ====\n".encode())
-        log.flush()
-        self.process = subprocess.Popen(
-            self.command,
-            env={**os.environ, **self.env, **({TAG_ENV: self.tag} if self.tag else {})},
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
-        )
-        log.close()
-        self.started_at = time.monotonic()
+        if self._log is None:
+            self._log = ChildLog(self.log_path, self.supervision)
+        self._log.write(f"\n==== epd-serve: starting {self.name} at {time.ctime()} ====\n")
+        read_end, write_end = os.pipe()
+        try:
+            self.process = subprocess.Popen(
+                self.command,
+                env={**os.environ, **self.env, **({TAG_ENV: self.tag} if self.tag else {})},
+                stdout=write_end,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+            )
+        except BaseException:
+            os.close(read_end)
+            raise
+        finally:
+            os.close(write_end)  # the child (and what it starts) holds the only copies
+        _widen_pipe(read_end)
+        self._log_thread = self._log.follow(read_end, self.name)
+        self.started_at = self.clock()
         self.healthy = False
 
     def exit_code(self) -> int | None:
@@ -85,27 +128,90 @@ class Child:
         return ProcessTree(self.tag, self.process.pid if self.process else None)
 
     def log_tail(self, lines: int = 15) -> str:
+        if self.exit_code() is not None:
+            self._wait_log_copied(LOG_DRAIN_S)  # its last words may still be in the pipe
         return log_tail(self.log_path, lines)
 
-    def revive(self, max_restarts: int) -> str | None:
-        """If the process exited: kill what it left running (the old engine processes
-        still hold the memory and devices a replacement needs) and start it again, at
-        most max_restarts times. Returns what happened; None while it runs."""
-        code = self.exit_code()
-        if code is None or self.gave_up:
+    def revive(self) -> str | None:
+        """Called at every check. If the process exited: kill what it left running (the
+        old engine processes still hold the memory and devices a replacement needs) and
+        start it again once its back-off allows. Returns what happened; None when
+        nothing did."""
+        now = self.clock()
+        if self.next_start_at is None:
+            code = self.exit_code()
+            if code is None:
+                return None
+            sweep = kill_trees([self.tree()], LEFTOVER_GRACE_S)
+            note = f"killed {plural(sweep.killed, 'leftover process')}; " if sweep.killed else ""
+            if sweep.survivors:
+                note += f"pids {sweep.survivors} survived SIGKILL; "
+            self._back_off(now, now - self.started_at, f"exited with code {code}")
+            event = f"{self.name} exited with code {code}; {note}"
+            if now < self.next_start_at:
+                return event + self._waiting(now)
+        elif now < self.next_start_at:
             return None
-        sweep = kill_trees([self.tree()], LEFTOVER_GRACE_S)
-        note = f"killed {plural(sweep.killed, 'leftover process')}; " if sweep.killed else ""
-        if sweep.survivors:
-            note += f"pids {sweep.survivors} survived SIGKILL; "
-        if self.restarts >= max_restarts:
-            self.gave_up = True
-            return (f"{self.name} exited with code {code}; {note}restarted {self.restarts} "
-                    f"times already, giving up (log: {self.log_path})")
+        else:
+            event = f"{self.name}: back-off over; "
+        return event + (self.try_start(now) or "")
+
+    def try_start(self, now: float | None = None) -> str | None:
+        """Start it now; a start that fails (no such command, no memory to fork, a
+        full disk) waits its back-off as a crash does. Returns what happened; None for
+        a first start that succeeded."""
+        now = self.clock() if now is None else now
+        first = self.process is None and self.next_start_at is None
+        try:
+            self.start()
+        except (OSError, subprocess.SubprocessError) as err:
+            self._back_off(now, 0.0, f"could not start: {type(err).__name__}: {err}")
+            return f"could not start it ({type(err).__name__}: {err}); {self._waiting(now)}"
+        self.next_start_at, self.down_because = None, ""
+        if first:
+            return None
         self.restarts += 1
-        self.start()
-        return (f"{self.name} exited with code {code}; {note}restarting "
-                f"({self.restarts}/{max_restarts})")
+        return f"restarting (restart {self.restarts})"
+
+    def _back_off(self, now: float, up_for_s: float, why: str) -> None:
+        self.next_start_at = now + self.backoff.delay_after_exit(up_for_s)
+        self.down_because = why
+
+    def _waiting(self, now: float) -> str:
+        crashes = plural(self.backoff.crashes_in_a_row, "crash")  # failed starts count
+        if self.next_start_at <= now:
+            return f"{crashes} in a row, trying again at the next check"
+        return f"{crashes} in a row, backing off: next try in {self.next_start_at - now:.3g} s"
+
+    def describe(self) -> str:
+        """Its state in a few words, for status output."""
+        if self.next_start_at is not None:
+            due = max(0.0, self.next_start_at - self.clock())
+            return f"{self.down_because}; backing off, next try in {due:.3g} s"
+        if self.process is None:
+            return "not started"
+        code = self.exit_code()
+        return "running" if code is None else f"exited with code {code}"
+
+    def close_log(self, timeout_s: float = LOG_DRAIN_S) -> None:
+        """Once its processes are gone: copy the rest of what they wrote, close the file."""
+        self._wait_log_copied(timeout_s)
+        if self._log is not None:
+            self._log.close()
+
+    def _wait_log_copied(self, timeout_s: float) -> None:
+        # Ends when every process holding the pipe has exited; leftovers of a dead
+        # leader may hold it a while longer, so this waits at most timeout_s.
+        if self._log_thread is not None:
+            self._log_thread.join(timeout_s)
+
+
+def _widen_pipe(fd: int) -> None:
+    """Let the pipe hold a burst of output while the copying thread waits for the GIL."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+    except (OSError, AttributeError):  # above the system's limit, or not Linux
+        pass
 
 
 def log_tail(path: Path, lines: int = 15) -> str:

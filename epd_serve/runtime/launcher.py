@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import secrets
 import signal
@@ -43,10 +44,13 @@ from epd_serve.runtime.supervision import (
     prepare_work_dir,
     probe,
     process_tag,
+    report_failed_round,
     state_path,
     wait_healthy,
     wait_serving,
 )
+
+logger = logging.getLogger(__name__)
 
 
 def preflight(dep: ResolvedDeployment) -> None:
@@ -122,7 +126,8 @@ class Launcher:
                       env=with_internal_token(step.env, self._internal_token),
                       log_path=self.log_dir / f"{step.name}.log",
                       health_url=step.health_url,
-                      tag=process_tag(self.dep, step.name, self._token))
+                      tag=process_tag(self.dep, step.name, self._token),
+                      supervision=self.dep.config.supervision)
         self.children.append(child)
         child.start()
         self._write_state()
@@ -137,6 +142,10 @@ class Launcher:
             "children": {c.name: c.process.pid for c in self.children if c.process},
             "process_tags": {c.name: c.tag for c in self.children if c.tag},
             "proxy_url": self.dep.proxy_url,
+            # As of this write (it is rewritten whenever a child exits or restarts).
+            "supervision": {c.name: {"state": c.describe(), "restarts": c.restarts,
+                                     "crashes_in_a_row": c.backoff.crashes_in_a_row}
+                            for c in self.children},
         }
         self.state_path.write_text(json.dumps(state, indent=2))
 
@@ -151,20 +160,38 @@ class Launcher:
 
     # -- keep up ------------------------------------------------------------
     def supervise_once(self) -> list[str]:
-        """Restart children that died; returns what happened (one line each)."""
+        """Restart children that died, each once its back-off allows; returns what
+        happened (one line each). A failure while looking after one child is reported
+        and tried again at the next check; it does not stop the others."""
         events = []
         for child in self.children:
-            if not self._stopping and (event := child.revive(self.dep.config.max_restarts)):
-                events.append(event)
+            if self._stopping:
+                break
+            try:
+                if event := child.revive():
+                    events.append(event)
+            except Exception as err:  # noqa: BLE001 - whatever it is, the rest go on
+                logger.error("supervising %s failed", child.name, exc_info=True)
+                events.append(f"{child.name}: supervising it failed ({type(err).__name__}: "
+                              f"{err}); trying again at the next check")
         if events:
-            self._write_state()
+            try:
+                self._write_state()
+            except OSError as err:  # a full disk: `epd-serve down` reads the last one
+                events.append(f"cannot write {self.state_path} ({err}); it may be stale")
             for event in events:
                 self.on_event(event)
         return events
 
     def run_forever(self, interval: float = 2.0) -> None:
+        """Supervise until stopped. A round that fails is reported and the next comes as
+        usual: the deployment is never stopped because its supervisor stumbled."""
         while not self._stopping:
-            self.supervise_once()
+            try:
+                self.supervise_once()
+            except Exception as err:  # noqa: BLE001 - see above
+                logger.error("a supervision round failed", exc_info=True)
+                report_failed_round(self.on_event, err)
             time.sleep(interval)
 
     # -- bring down ---------------------------------------------------------
@@ -178,6 +205,7 @@ class Launcher:
                     child.process.wait(timeout=KILL_WAIT_S)  # reap the leader
                 except subprocess.TimeoutExpired:
                     pass
+            child.close_log()
         self.state_path.unlink(missing_ok=True)
 
 

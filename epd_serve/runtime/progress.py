@@ -62,7 +62,9 @@ def warm_up(dep, timeout: float = 300.0) -> None:
     instance pays one-off costs (kernel set-up, the KV transfer handshake) that should
     not land on a user's or a benchmark's first request. A deployment that cannot
     answer them is not up: LaunchError, naming the instances that failed, with the
-    last lines of their logs."""
+    last lines of their logs. Nor is one that answers them only because the proxy let
+    another stage stand in for a stage with no healthy instance (FALLBACK= in
+    x-epd-stages): the answer is right, the deployment is not what was asked for."""
     model = dep.launches[0].served_model_name
     image = image_data_url(make_image(448, 448, seed=12345))
     key = own_key(dep.config.proxy.api_key_env)
@@ -76,11 +78,31 @@ def warm_up(dep, timeout: float = 300.0) -> None:
             except httpx.HTTPError as err:
                 problem = f"{type(err).__name__}: {err}"
             else:
-                if resp.status_code == 200:
+                stages = resp.headers.get("x-epd-stages", "")
+                stood_in = _stand_ins(stages)
+                if resp.status_code != 200:
+                    problem = f"HTTP {resp.status_code}: {error_message(resp.text)}"
+                elif stood_in:
+                    problem = "answered only by a stand-in: " + "; ".join(
+                        f"stage {missing} ({STAGE_NAMES.get(missing, missing)}) has no healthy "
+                        f"instance, {standin} did its work" for missing, standin in stood_in)
+                    problem += f" (x-epd-stages: {stages})"
+                else:
                     continue
-                problem = f"HTTP {resp.status_code}: {error_message(resp.text)}"
             raise LaunchError(explain_failure(dep, f"{kind} warm-up request", problem,
                                               before, instance_status(client, dep.proxy_url)))
+
+
+STAGE_NAMES = {"E": "encode", "P": "prefill", "D": "decode"}
+
+
+def _stand_ins(stages: str) -> list[tuple[str, str]]:
+    """(missing stage, stand-in) pairs of an x-epd-stages header: its FALLBACK= part,
+    e.g. `...;FALLBACK=E>D,P>D` (proxy/trip.py writes it)."""
+    for part in stages.split(";"):
+        if part.startswith("FALLBACK="):
+            return [tuple(pair.split(">", 1)) for pair in part[9:].split(",") if ">" in pair]
+    return []
 
 
 def instance_status(client: httpx.Client, proxy_url: str) -> dict[str, dict]:

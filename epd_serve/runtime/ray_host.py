@@ -1,6 +1,6 @@
 """One process of a deployment on a Ray node: the actor that starts it there (an engine
-instance, the proxy, or an MM Store server), restarts it when it exits, and keeps its
-log for the launcher to fetch.
+instance, the proxy, or an MM Store server), restarts it when it exits (after its
+back-off, never giving up), and keeps its size-bounded log for the launcher to fetch.
 
 Runs inside a Ray worker process on the node, one actor per process; the Ray launcher
 (epd_serve/runtime/ray_launcher.py) creates them. Plain Python, so the tests drive it without
@@ -10,17 +10,23 @@ Ray; Ray is only asked which devices it assigned and where the actor runs.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import BinaryIO
 
+from epd_serve.deployment.config import Supervision
 from epd_serve.runtime.child import LEFTOVER_GRACE_S, STOP_GRACE_S, Child, port_in_use
 from epd_serve.runtime.plan import fill_run_dir
-from epd_serve.runtime.proctree import ProcessTree, kill_trees
+from epd_serve.runtime.proctree import KILL_WAIT_S, ProcessTree, kill_trees
 
 SUPERVISE_INTERVAL_S = 1.0
 LOG_CHUNK_BYTES = 1 << 20
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,8 +38,8 @@ class ProcessSpec:
     command: list[str]
     env: dict[str, str]
     tag: str  # the process-tree tag: the same for every incarnation, on any node
-    max_restarts: int
     address: str  # the node address it serves on (its ports are checked there)
+    supervision: Supervision = dataclasses.field(default_factory=Supervision)
     ports: dict[int, str] = dataclasses.field(default_factory=dict)  # port -> what uses it
     files: dict[str, str] = dataclasses.field(default_factory=dict)
     required_path: str | None = None  # must exist on the node (the model directory)
@@ -51,6 +57,7 @@ class ProcessHost:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.error: str | None = None
         self._events: list[str] = []
+        self._log_reader: BinaryIO | None = None  # read_log's place in the current log
         self._stopping = threading.Event()
         # An earlier incarnation on this node (the actor restarted with its node) may
         # have left engine processes holding the ports and devices.
@@ -64,7 +71,7 @@ class ProcessHost:
             env[spec.device_env] = ",".join(devices)
         self.child = Child(name=spec.name, command=[self._fill(w) for w in spec.command],
                            env=env, log_path=self.run_dir / "process.log", health_url="",
-                           tag=spec.tag)
+                           tag=spec.tag, supervision=spec.supervision)
         self.error = self._preflight()
         if self.error is None:
             for name, text in spec.files.items():
@@ -86,11 +93,28 @@ class ProcessHost:
 
     def _supervise(self) -> None:
         # The process is started (and restarted) from this thread, which lives as long as
-        # the actor: the death signal the child asks for fires when its forking thread ends.
-        self.child.start()
+        # the actor: the death signal the child asks for fires when its forking thread
+        # ends. So no error may end it: each round's is logged, reported with the
+        # events, and the next round comes as usual.
+        self._supervise_round()
         while not self._stopping.wait(SUPERVISE_INTERVAL_S):
-            if event := self.child.revive(self.spec.max_restarts):
+            self._supervise_round()
+
+    def _supervise_round(self) -> None:
+        try:
+            if self.child.process is None and self.child.next_start_at is None:
+                # The first start (or a retry of one that raised something unforeseen).
+                if event := self.child.try_start():
+                    event = f"{self.spec.name}: {event}"
+            else:
+                event = self.child.revive()
+            if event:
                 self._events.append(event)
+        except Exception as err:  # noqa: BLE001 - see _supervise
+            logger.error("supervising %s failed; trying again in %.0f s", self.spec.name,
+                         SUPERVISE_INTERVAL_S, exc_info=True)
+            self._events.append(f"{self.spec.name}: supervising it failed "
+                                f"({type(err).__name__}: {err}); trying again")
 
     @staticmethod
     def _ray_context():
@@ -116,29 +140,62 @@ class ProcessHost:
             "actor_pid": os.getpid(),
             "pid": self.child.process.pid if self.child.process else None,
             "restarts": self.child.restarts,
-            "gave_up": self.child.gave_up or self.error is not None,
+            "state": self.error or self.child.describe(),
+            "gave_up": self.error is not None,  # refused to start it; a crash never gives up
             "exit_code": self.child.exit_code(),
             "error": self.error,
             "events": events,
         }
 
     def read_log(self, offset: int) -> tuple[bytes, int]:
-        """Log bytes from `offset` (at most LOG_CHUNK_BYTES) and the offset after them. A
-        log shorter than `offset` is a new incarnation's (a new node): read from 0."""
-        path = self.child.log_path
-        if not path.is_file():
-            return b"", 0
-        size = path.stat().st_size
-        if offset > size:
-            offset = 0
-        with open(path, "rb") as log:
-            log.seek(offset)
-            data = log.read(LOG_CHUNK_BYTES)
-        return data, offset + len(data)
+        """Log bytes from `offset` (at most LOG_CHUNK_BYTES) and the offset after them.
+        The file stays open between calls: when the log rolls over, what the old file
+        still held is read to its end, then the new file from 0. A log shorter than
+        `offset` is a new incarnation's (a new node): read from 0."""
+        reader = self._log_reader
+        if reader is None or reader.tell() != offset:  # the first call of this actor
+            if reader is not None:
+                reader.close()
+            reader = self._log_reader = self._open_log(offset)
+            if reader is None:
+                return b"", 0
+        rolled_over = self._rolled_over(reader)  # before reading: then EOF is its end
+        data = reader.read(LOG_CHUNK_BYTES)
+        if not data and rolled_over:
+            reader.close()
+            reader = self._log_reader = self._open_log(0)
+            if reader is None:
+                return b"", 0
+            data = reader.read(LOG_CHUNK_BYTES)
+        return data, reader.tell()
+
+    def _open_log(self, offset: int) -> BinaryIO | None:
+        try:
+            log = open(self.child.log_path, "rb")
+        except FileNotFoundError:
+            return None
+        log.seek(offset if offset <= os.fstat(log.fileno()).st_size else 0)
+        return log
+
+    def _rolled_over(self, reader: BinaryIO) -> bool:
+        """Whether the log's name now belongs to a newer file than the one being read."""
+        try:
+            return os.stat(self.child.log_path).st_ino != os.fstat(reader.fileno()).st_ino
+        except FileNotFoundError:  # between the rename and the new file: not yet
+            return False
 
     def stop(self) -> int:
         """Kill the process tree; returns how many processes were killed."""
         self._stopping.set()
         if self.error is None:
             self._thread.join(timeout=SUPERVISE_INTERVAL_S * 5)
-        return kill_trees([self.child.tree()], STOP_GRACE_S).killed
+        killed = kill_trees([self.child.tree()], STOP_GRACE_S).killed
+        if self.child.process is not None:
+            try:
+                self.child.process.wait(timeout=KILL_WAIT_S)  # reap it
+            except subprocess.TimeoutExpired:
+                pass
+        self.child.close_log()
+        if self._log_reader is not None:
+            self._log_reader.close()
+        return killed

@@ -12,8 +12,10 @@ node with the same label is back.
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import json
+import logging
 import os
 import secrets
 import sys
@@ -33,11 +35,13 @@ from epd_serve.runtime.child import STOP_GRACE_S, log_tail
 from epd_serve.runtime.plan import Step, carry_out, startup_plan, with_internal_token
 from epd_serve.runtime.ray_host import ProcessHost, ProcessSpec
 from epd_serve.runtime.supervision import (
+    ChildLog,
     LaunchError,
     log_dir,
     prepare_work_dir,
     probe,
     process_tag,
+    report_failed_round,
     state_path,
     wait_healthy,
     wait_serving,
@@ -48,6 +52,8 @@ _HostActor = ray.remote(ProcessHost)
 STATUS_TIMEOUT_S = 3.0
 LOG_SYNC_INTERVAL_S = 0.5
 LOCAL_OBJECT_STORE_BYTES = 100 << 20  # nothing of ours goes through Ray's object store
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -62,12 +68,16 @@ class RayChild:
     actor: Any = None
     healthy: bool = False
     restarts: int = 0
-    gave_up: bool = False
+    state: str = ""  # as its actor last said: running, backing off ...
+    gave_up: bool = False  # its actor refused to start it (`error` says why)
     code: int | None = None
     error: str | None = None
     lost: bool = False  # its actor does not answer: the node died or restarts
     node_id: str | None = None
     log_offset: int = 0
+    log: ChildLog | None = None  # the copy of its log here, rolled over as the actor's
+    log_decoder: codecs.IncrementalDecoder = dataclasses.field(
+        default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace"))
 
     def exit_code(self) -> int | None:
         return (self.code if self.code is not None else -1) if self.gave_up else None
@@ -205,7 +215,7 @@ class RayLauncher:
         return ProcessSpec(name=step.name, command=list(step.command),
                            env=with_internal_token(step.env, self._internal_token),
                            tag=process_tag(self.dep, step.name, self._token),
-                           max_restarts=self.dep.config.max_restarts, address=step.address,
+                           supervision=self.dep.config.supervision, address=step.address,
                            ports=step.ports, files=step.files, **extra)
 
     def _child_named(self, name: str) -> RayChild:
@@ -268,11 +278,23 @@ class RayLauncher:
                             self.log_dir, progress)
 
     def supervise_once(self) -> list[str]:
-        return self._refresh()
+        events = self._refresh()
+        if events:
+            try:
+                self._write_state()
+            except OSError as err:  # a full disk: `epd-serve down` reads the last one
+                self.on_event(f"cannot write {self.state_path} ({err}); it may be stale")
+        return events
 
     def run_forever(self, interval: float = 2.0) -> None:
+        """Supervise until stopped; a round that fails is reported, the next comes as
+        usual (the actors restart their processes meanwhile)."""
         while not self._stopping:
-            self.supervise_once()
+            try:
+                self.supervise_once()
+            except Exception as err:  # noqa: BLE001 - never stop the deployment for it
+                logger.error("a supervision round failed", exc_info=True)
+                report_failed_round(self.on_event, err)
             time.sleep(interval)
 
     def _ask(self, children: list[RayChild], call) -> dict[str, Any]:
@@ -308,6 +330,7 @@ class RayLauncher:
             if status["error"] and status["error"] != child.error:
                 events.append(f"{child.name}: {status['error']}")
             child.restarts, child.gave_up = status["restarts"], status["gave_up"]
+            child.state = status.get("state", "")  # an actor of an older release has none
             child.code, child.error = status["exit_code"], status["error"]
             child.node_id = status["node_id"]
         for event in events:
@@ -317,7 +340,11 @@ class RayLauncher:
     def _forward_logs(self) -> None:
         """Append what each actor's process logged to <work_dir>/logs/<name>.log here."""
         while not self._logs_done.wait(LOG_SYNC_INTERVAL_S):
-            self.sync_logs()
+            try:
+                self.sync_logs()
+            except Exception:  # noqa: BLE001 - the copies lag; they must not stop
+                logger.error("copying the processes' logs failed; trying again",
+                             exc_info=True)
 
     def sync_logs(self) -> None:
         children = list(self.children)  # start() may be adding to it
@@ -327,8 +354,9 @@ class RayLauncher:
                 continue
             data, child.log_offset = answer
             if data:
-                with open(child.log_path, "ab") as log:
-                    log.write(data)
+                if child.log is None:
+                    child.log = ChildLog(child.log_path, self.dep.config.supervision)
+                child.log.write(child.log_decoder.decode(data))
 
     def _write_state(self) -> None:
         state = {
@@ -338,6 +366,10 @@ class RayLauncher:
             "ray_address": self.cluster.address,
             "nodes": {child.name: child.node for child in self.children},
             "proxy_url": self.dep.proxy_url,
+            # As its actors last said (rewritten whenever a process exits or restarts).
+            "supervision": {child.name: {"state": "actor lost" if child.lost else child.state,
+                                         "restarts": child.restarts}
+                            for child in self.children},
         }
         self.state_path.write_text(json.dumps(state, indent=2))
 
@@ -353,6 +385,8 @@ class RayLauncher:
             self.sync_logs()
             for child in self.children:
                 ray.kill(child.actor, no_restart=True)
+                if child.log is not None:
+                    child.log.close()
             for pg in self._placement_groups:
                 remove_placement_group(pg)
             ray.shutdown()

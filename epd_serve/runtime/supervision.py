@@ -1,22 +1,32 @@
 """What the local and the Ray launcher share: their error, health probing and waiting,
-and the work directory's layout (logs, the EC folder, the state file, process tags).
+the work directory's layout (logs, the EC folder, the state file, process tags), and
+how a process is kept up: its restart back-off and its size-bounded log.
 
-Runs in the launcher's process. A "child" here is anything with a name, a health URL,
-a `healthy` flag, `exit_code()` (None while it runs or may come back) and `log_tail()`:
-a local Child, or the Ray launcher's view of an actor's process.
+Runs in the launcher's process, and (RestartBackoff, ChildLog) in each Ray host actor.
+A "child" here is anything with a name, a health URL, a `healthy` flag, `exit_code()`
+(None while it runs or may come back) and `log_tail()`: a local Child, or the Ray
+launcher's view of an actor's process. The settings and their defaults are the
+deployment file's `supervision` section (epd_serve/deployment/config.py).
 """
 
 from __future__ import annotations
 
+import codecs
+import logging
 import shutil
+import threading
 import time
 from collections.abc import Callable, Sequence
+from logging.handlers import RotatingFileHandler
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from epd_serve.deployment.config import Supervision
 from epd_serve.deployment.resolve import ResolvedDeployment
+
+logger = logging.getLogger(__name__)
 
 Refresh = Callable[[httpx.Client], None]  # brings every child's `healthy` up to date
 
@@ -81,6 +91,16 @@ def wait_healthy(children: Sequence[Any], refresh: Refresh, timeout_s: float, lo
             time.sleep(1.0)
 
 
+def report_failed_round(on_event: Callable[[str], None], err: Exception) -> None:
+    """Say that a whole supervision round failed (the next one comes as usual). Saying
+    so may fail too (stderr gone): that must not end supervision either."""
+    try:
+        on_event(f"supervision round failed ({type(err).__name__}: {err}); "
+                 "trying again at the next check")
+    except Exception:  # noqa: BLE001
+        logger.error("cannot report a failed supervision round", exc_info=True)
+
+
 def state_path(dep: ResolvedDeployment) -> Path:
     """Where a launcher records what it started, for `epd-serve down`."""
     return dep.work_dir / "state.json"
@@ -104,3 +124,90 @@ def process_tag(dep: ResolvedDeployment, name: str, token: str) -> str:
     """The tag every process of child `name` carries (proctree.TAG_ENV): `token` tells
     this launcher's processes apart from another launcher's of the same deployment."""
     return f"{dep.config.name}/{name}/{token}"
+
+
+class RestartBackoff:
+    """How long a process that exited waits before it is started again: at once for the
+    first `rapid_restarts` crashes in a row, then backoff_s, doubling up to
+    backoff_max_s, for as long as it keeps crashing (no limit: a stage comes back once
+    what broke it is fixed). A run of healthy_after_s or more ends the row."""
+
+    def __init__(self, settings: Supervision):
+        self.settings = settings
+        self.crashes_in_a_row = 0
+
+    def delay_after_exit(self, up_for_s: float) -> float:
+        """Count one crash of a process that ran `up_for_s`; returns its wait in seconds."""
+        if up_for_s >= self.settings.healthy_after_s:
+            self.crashes_in_a_row = 0
+        self.crashes_in_a_row += 1
+        doublings = self.crashes_in_a_row - self.settings.rapid_restarts - 1
+        if doublings < 0:
+            return 0.0
+        # Bounded exponent: a loop of thousands of crashes must not overflow the float.
+        return min(self.settings.backoff_s * 2.0 ** min(doublings, 64),
+                   self.settings.backoff_max_s)
+
+
+# A longer line reaches the log in pieces of this size (a rollover may fall between them).
+LOG_LINE_LIMIT = 16 << 10
+
+
+class _Handler(RotatingFileHandler):
+    """Reports writes that fail (a full disk) once until one succeeds again, instead of
+    a traceback per line."""
+
+    failing = False
+    _failed = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self._failed = False
+        super().emit(record)  # calls handleError if the write failed
+        if not self._failed:
+            self.failing = False
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
+        self._failed = True
+        if not self.failing:
+            self.failing = True
+            logger.warning("cannot write %s; its lines are dropped until it can",
+                           self.baseFilename, exc_info=True)
+
+
+class ChildLog:
+    """One process's log file, rolled over by size by the standard library's
+    RotatingFileHandler: <name>.log, then .log.1 up to .log.<log_files - 1>, so it never
+    takes more than log_files x log_max_bytes. The process does not write the file
+    itself (it could not follow a rollover): it writes into a pipe that a thread of
+    ours copies into the file line by line, so no line is lost when the file rolls over,
+    and a full disk drops lines instead of blocking the process."""
+
+    def __init__(self, path: Path, settings: Supervision):
+        self.path = path
+        self._handler = _Handler(path, maxBytes=settings.log_max_bytes,
+                                 backupCount=settings.log_files - 1, encoding="utf-8",
+                                 errors="replace")
+        self._handler.terminator = ""  # what is written carries its own line ends
+
+    def write(self, text: str) -> None:
+        # handle() takes the handler's lock: a restart's banner and the copying threads
+        # of two incarnations never interleave within a line.
+        self._handler.handle(logging.makeLogRecord({"msg": text}))
+
+    def follow(self, pipe_fd: int, name: str) -> threading.Thread:
+        """Copy what is written into the pipe's other end to the log, until every
+        process holding that end (a process and all it started) has closed it. Takes
+        ownership of pipe_fd."""
+        thread = threading.Thread(target=self._copy, args=(pipe_fd,), name=f"log of {name}",
+                                  daemon=True)
+        thread.start()
+        return thread
+
+    def _copy(self, pipe_fd: int) -> None:
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        with open(pipe_fd, "rb") as pipe:
+            while line := pipe.readline(LOG_LINE_LIMIT):
+                self.write(decoder.decode(line))
+
+    def close(self) -> None:
+        self._handler.close()

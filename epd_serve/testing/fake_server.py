@@ -38,13 +38,26 @@ def create_fake_app(name: str = "fake", ttft_ms: float = 0.0, itl_ms: float = 0.
     app.state.reject_references = False
     app.state.delay_s = 0.0  # extra time before answering (a slow engine)
     app.state.hold = False  # answer nothing until a test sets it back (a busy engine)
+    # Answer nothing at all, /health included, until a test sets it back: a stopped
+    # process (SIGSTOP) whose kernel still accepts connections. Requests are recorded
+    # before they hang, so a test can see which reached it.
+    app.state.hang = False
+    # A streamed answer stops after this many events and the whole server hangs (a
+    # process stopped mid-stream); None: never.
+    app.state.hang_after_events = None
+    app.state.health_reads = 0  # how often /health was answered
     app.state.active = 0  # requests being answered, reported on /metrics like vLLM's
     app.state.reported_load = None  # (running, waiting, kv_usage) to report instead
     app.state.metrics_reads = 0  # how often /metrics was read
     app.state.cancelled = []  # request ids whose client went away before the answer
 
+    async def hang_while_stopped() -> None:
+        while app.state.hang:
+            await asyncio.sleep(0.01)
+
     @app.get("/metrics")
     async def metrics():
+        await hang_while_stopped()
         app.state.metrics_reads += 1
         running, waiting, kv = app.state.reported_load or (app.state.active, 0, 0.0)
         text = (f'vllm:num_requests_running{{model_name="{name}"}} {running}\n'
@@ -54,6 +67,8 @@ def create_fake_app(name: str = "fake", ttft_ms: float = 0.0, itl_ms: float = 0.
 
     @app.get("/health")
     async def health():
+        await hang_while_stopped()
+        app.state.health_reads += 1
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -95,6 +110,7 @@ def create_fake_app(name: str = "fake", ttft_ms: float = 0.0, itl_ms: float = 0.
             app.state.requests.append({"path": request.url.path, "body": body,
                                        "request_id": request_id,
                                        "traceparent": request.headers.get("traceparent")})
+        await hang_while_stopped()
         if app.state.fail_status:
             return JSONResponse({"error": {"message": f"{name} is failing on purpose"}},
                                 status_code=app.state.fail_status)
@@ -144,6 +160,9 @@ def create_fake_app(name: str = "fake", ttft_ms: float = 0.0, itl_ms: float = 0.
                 for i in range(n):
                     if i:
                         await asyncio.sleep(itl_ms / 1e3)
+                    if i == app.state.hang_after_events:
+                        app.state.hang = True
+                    await hang_while_stopped()
                     chunk = {"id": rid, "object": f"{kind}.completion.chunk",
                              "created": int(time.time()), "model": name,
                              "choices": [choice_chunk(i)]}

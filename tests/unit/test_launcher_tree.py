@@ -192,7 +192,8 @@ def test_restart_kills_the_dead_api_servers_engine_processes_first(tree_launcher
     events = launcher.supervise_once()
     took = time.monotonic() - started
 
-    assert events == ["epd0 exited with code -9; killed 3 leftover processes; restarting (1/3)"]
+    assert events == ["epd0 exited with code -9; killed 3 leftover processes; restarting "
+                      "(restart 1)"]
     assert not [role for role, pid in old.items() if alive(pid)]
     assert took < 6, f"supervision blocked {took:.1f}s killing leftovers"
     new = tree_pids(launcher)  # the replacement runs its own tree, untouched by the sweep
@@ -205,7 +206,7 @@ def test_a_death_without_leftovers_restarts_with_the_plain_message(tree_launcher
     proxy = next(c for c in launcher.children if c.name == "proxy")
     proxy.process.kill()
     proxy.process.wait()
-    assert launcher.supervise_once() == ["proxy exited with code -9; restarting (1/3)"]
+    assert launcher.supervise_once() == ["proxy exited with code -9; restarting (restart 1)"]
 
 
 # -- stopping -----------------------------------------------------------------------
@@ -287,3 +288,27 @@ def test_down_still_stops_the_groups_of_a_state_file_without_tags(tmp_path):
     finally:
         old_style.kill()
         old_style.wait()
+
+
+def test_a_process_killed_again_and_again_keeps_coming_back_after_its_backoff(tree_launcher):
+    # The deployment file's defaults: three restarts at once, then 1 s, doubling.
+    launcher = tree_launcher
+    proxy = next(c for c in launcher.children if c.name == "proxy")
+    for restart in (1, 2, 3):
+        proxy.process.kill()
+        proxy.process.wait()
+        assert launcher.supervise_once() == [f"proxy exited with code -9; restarting "
+                                             f"(restart {restart})"]
+    proxy.process.kill()
+    proxy.process.wait()
+    assert launcher.supervise_once() == ["proxy exited with code -9; 4 crashes in a row, "
+                                         "backing off: next try in 1 s"]
+    state = json.loads(launcher.state_path.read_text())["supervision"]["proxy"]
+    assert state["restarts"] == 3 and state["crashes_in_a_row"] == 4
+    assert state["state"].startswith("exited with code -9; backing off, next try in ")
+    deadline = time.monotonic() + 30
+    while not (events := launcher.supervise_once()):
+        assert time.monotonic() < deadline, "the proxy was not restarted after its back-off"
+        time.sleep(0.1)
+    assert events == ["proxy: back-off over; restarting (restart 4)"]
+    launcher.wait_healthy()

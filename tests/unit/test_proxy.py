@@ -65,6 +65,9 @@ def deployment(roles: list[str], dead: set[str] = frozenset(), failing: dict | N
                 # epd: the side channel, which only decode instances talk to.
                 entry["kv_endpoint"] = url if protocol == "mooncake" else f"127.0.0.1:{30100 + i}"
             entries.append(entry)
+        # A fake left hanging (a test's stopped process) is let go first, so its server
+        # can stop.
+        stack.callback(lambda: [setattr(a.state, "hang", False) for a in apps.values()])
         settings.setdefault("health_interval_s", 0.05)
         config = ProxyConfig(model="fake", instances=entries, kv_protocol=protocol, **settings)
         proxy = stack.enter_context(ProxyThread(create_app(config)))

@@ -1,7 +1,9 @@
 """Failures the proxy must report, never hide: a client that leaves while a KV hand-off
 is cleaning up still ends its handler; one client's request id never steers another's
 request; requests past the proxy's limits get a 503, and the ones already accepted are
-served; background loops outlive an unexpected error; the MM Store client opens once."""
+served; background loops outlive an unexpected error; the MM Store client opens once,
+off the event loop, and a store that cannot be opened is tried again only after a pause
+while requests go on without it."""
 
 from __future__ import annotations
 
@@ -333,6 +335,72 @@ def test_the_feature_store_is_opened_once_by_concurrent_first_users(monkeypatch)
     finally:
         directory._store = None  # not a real store: nothing to close
         directory.close()
+
+
+# -- an MM Store that cannot be opened holds up no request -----------------------------------
+def store_down(monkeypatch, opened):
+    """The proxy's MM Store client made by `opened(spec)` (a stand-in for open_store);
+    the deployment's store is a shared-memory one whose server does not run."""
+    from epd_serve.mmstore import StoreSpec
+    from epd_serve.proxy import features
+
+    monkeypatch.setattr(features, "open_store", opened)
+    return StoreSpec(backend="shm", port=9).to_json()
+
+
+def test_an_image_request_opening_the_store_holds_up_no_other_request(monkeypatch):
+    from epd_serve.mmstore import StoreError
+
+    from .test_proxy import IMAGE
+
+    opening, answer = threading.Event(), threading.Event()
+
+    def unanswered_open(spec):
+        # A store server that does not answer: its client waits out its deadline.
+        opening.set()
+        answer.wait(30)
+        raise StoreError("MM Store did not answer in 2000 ms; is the store server running?")
+
+    spec = store_down(monkeypatch, unanswered_open)
+    with deployment(["E", "P", "D"], mm_store=spec) as d, \
+            concurrent.futures.ThreadPoolExecutor(1) as pool:
+        try:
+            image = pool.submit(chat, d, "look", [IMAGE], max_tokens=2)
+            assert opening.wait(10), "the image request never opened the store"
+            # Meanwhile the proxy serves: the store is opened off its event loop.
+            text = d.client.post("/v1/chat/completions", timeout=10,
+                                 json={"model": "fake", "max_tokens": 2,
+                                       "messages": [{"role": "user", "content": "x"}]})
+            assert text.status_code == 200
+            assert not image.done()
+        finally:
+            answer.set()
+        resp = image.result(30)
+        # Without the store, the image is encoded as if nothing were stored.
+        assert resp.status_code == 200 and resp.headers["x-epd-stages"].startswith("E=e0:")
+
+
+def test_a_store_that_cannot_be_opened_is_tried_again_only_after_a_pause(monkeypatch):
+    from epd_serve.mmstore import StoreError
+
+    from .test_proxy import IMAGE
+
+    attempts = []
+
+    def failing_open(spec):
+        attempts.append(time.monotonic())
+        raise StoreError("MM Store did not answer in 2000 ms; is the store server running?")
+
+    spec = store_down(monkeypatch, failing_open)
+    with deployment(["E", "P", "D"], mm_store=spec) as d:
+        for i in range(3):
+            resp = chat(d, f"look {i}", [IMAGE], max_tokens=2)
+            assert resp.status_code == 200 and resp.headers["x-epd-stages"].startswith("E=e0:")
+        assert len(attempts) == 1  # not once per request
+        # The pause over, the next request tries again (without waiting for it).
+        d.proxy.call(lambda: setattr(d.proxy.proxy.pipeline.features, "_reopen_at", 0.0))
+        assert chat(d, "look again", [IMAGE], max_tokens=2).status_code == 200
+        wait_for(lambda: len(attempts) == 2, "a second attempt")
 
 
 def test_refused_requests_never_reach_an_engine_even_in_a_burst():

@@ -1,6 +1,8 @@
 """The per-process actor of multi-node deployments, driven directly (no Ray): it
-starts its process with the given environment, restarts it, keeps its log, refuses
-to start where the node lacks a port or the model, and kills the whole tree on stop."""
+starts its process with the given environment, restarts it (after a back-off, never
+giving up), keeps its log (read whole across rollovers), refuses to start where the
+node lacks a port or the model, survives errors of its own, and kills the whole tree
+on stop."""
 
 from __future__ import annotations
 
@@ -9,7 +11,11 @@ import sys
 import time
 
 import psutil
+import pytest
 
+from epd_serve.deployment.config import Supervision
+from epd_serve.runtime import ray_host
+from epd_serve.runtime.child import Child
 from epd_serve.runtime.ray_host import ProcessHost, ProcessSpec
 
 from ..ports import free_port_block
@@ -17,8 +23,7 @@ from ..ports import free_port_block
 
 def spec(code: str, **extra) -> ProcessSpec:
     fields = {"name": "worker", "command": [sys.executable, "-c", code], "env": {},
-              "tag": f"test/worker/{time.monotonic_ns()}", "max_restarts": 2,
-              "address": "127.0.0.1", **extra}
+              "tag": f"test/worker/{time.monotonic_ns()}", "address": "127.0.0.1", **extra}
     return ProcessSpec(**fields)
 
 
@@ -56,25 +61,120 @@ def test_process_runs_with_its_environment_and_files_and_its_log_is_read_in_piec
         host.stop()
 
 
-def test_exiting_process_is_restarted_then_given_up_with_events(tmp_path):
-    host = ProcessHost(spec("print('run', flush=True); raise SystemExit(4)"),
+@pytest.fixture
+def quick_rounds(monkeypatch):
+    monkeypatch.setattr(ray_host, "SUPERVISE_INTERVAL_S", 0.02)
+
+
+def collect_events(host: ProcessHost, events: list[str]) -> dict:
+    status = host.status()
+    events.extend(status["events"])  # each event is reported once
+    return status
+
+
+def test_a_crash_looping_process_keeps_being_restarted_after_its_backoff(tmp_path,
+                                                                        quick_rounds):
+    host = ProcessHost(spec("print('run', flush=True); raise SystemExit(4)",
+                            supervision=Supervision(rapid_restarts=1, backoff_s=0.1,
+                                                    backoff_max_s=0.2)),
                        run_root=str(tmp_path))
     events: list[str] = []
-
-    def gave_up() -> bool:
-        status = host.status()
-        events.extend(status["events"])  # each event is reported once
-        return status["gave_up"]
-
     try:
-        wait_for(gave_up, timeout=30)
+        # Far past the two restarts it used to get before giving up.
+        wait_for(lambda: collect_events(host, events)["restarts"] >= 5, timeout=60)
         status = host.status()
-        assert status["restarts"] == 2 and status["exit_code"] == 4
-        assert events == ["worker exited with code 4; restarting (1/2)",
-                          "worker exited with code 4; restarting (2/2)",
-                          "worker exited with code 4; restarted 2 times already, giving up "
-                          f"(log: {host.run_dir / 'process.log'})"]
-        assert read_all(host).count(b"run\n") == 3  # the first start and two restarts
+        assert not status["gave_up"] and status["error"] is None
+        assert events[:6] == ["worker exited with code 4; restarting (restart 1)",
+                              "worker exited with code 4; 2 crashes in a row, backing off: "
+                              "next try in 0.1 s",
+                              "worker: back-off over; restarting (restart 2)",
+                              "worker exited with code 4; 3 crashes in a row, backing off: "
+                              "next try in 0.2 s",
+                              "worker: back-off over; restarting (restart 3)",
+                              "worker exited with code 4; 4 crashes in a row, backing off: "
+                              "next try in 0.2 s"]
+        assert wait_for(lambda: "backing off, next try in" in host.status()["state"])
+        assert read_all(host).count(b"run\n") >= 6  # the first start and five restarts
+    finally:
+        host.stop()
+
+
+def test_a_process_that_cannot_start_is_reported_and_tried_until_it_can(tmp_path,
+                                                                       quick_rounds):
+    program = tmp_path / "engine"  # not there yet, as after a half-done upgrade
+    host = ProcessHost(spec("", command=[str(program)],
+                            supervision=Supervision(rapid_restarts=0, backoff_s=0.05,
+                                                    backoff_max_s=0.1)),
+                       run_root=str(tmp_path))
+    events: list[str] = []
+    try:
+        wait_for(lambda: collect_events(host, events) and len(events) >= 2)
+        assert events[0].startswith("worker: could not start it (FileNotFoundError")
+        assert events[0].endswith("1 crash in a row, backing off: next try in 0.05 s")
+        assert host.status()["state"].startswith("could not start: FileNotFoundError")
+        program.write_text("#!/bin/sh\necho started\nexec sleep 60\n")
+        program.chmod(0o755)
+        wait_for(lambda: b"started" in read_all(host))
+        status = collect_events(host, events)
+        assert status["state"] == "running" and status["pid"]
+        assert events[-1].startswith("worker: back-off over; restarting (restart 1)")
+    finally:
+        host.stop()
+
+
+def test_the_supervise_thread_outlives_an_error_of_its_own(tmp_path, quick_rounds,
+                                                          monkeypatch):
+    revive, calls = Child.revive, []
+
+    def flaky_revive(child):
+        calls.append(child)
+        if len(calls) == 1:
+            raise RuntimeError("psutil hiccup")
+        return revive(child)
+
+    monkeypatch.setattr(Child, "revive", flaky_revive)
+    host = ProcessHost(spec("import time; time.sleep(0.3); raise SystemExit(4)"),
+                       run_root=str(tmp_path))
+    events: list[str] = []
+    try:
+        wait_for(lambda: collect_events(host, events)["restarts"] >= 1)
+        assert events[0] == ("worker: supervising it failed (RuntimeError: psutil hiccup); "
+                             "trying again")
+        assert "worker exited with code 4; restarting (restart 1)" in events
+    finally:
+        host.stop()
+
+
+def test_the_log_is_read_whole_across_its_rollovers(tmp_path):
+    # Six batches of 25 KB into files of 64 KiB, each batch read before the next is
+    # written: the reader is always behind by less than a file.
+    batches, lines = 6, 500
+    code = (f"import os, sys, time\n"
+            f"for b in range({batches}):\n"
+            f"    while not os.path.exists(os.path.join({str(tmp_path)!r}, f'go{{b}}')):\n"
+            f"        time.sleep(0.01)\n"
+            f"    for i in range({lines}):\n"
+            f"        print(f'{{b}}:{{i:05d}} ' + 'y' * 40)\n"
+            f"    sys.stdout.flush()\n"
+            f"time.sleep(60)\n")
+    host = ProcessHost(spec(code, supervision=Supervision(log_max_bytes="64KiB", log_files=3)),
+                       run_root=str(tmp_path))
+    read, offset = b"", 0
+    try:
+        for batch in range(batches):
+            (tmp_path / f"go{batch}").touch()
+            last = f"{batch}:{lines - 1:05d} ".encode()
+            deadline = time.monotonic() + 30
+            while last not in read:
+                data, offset = host.read_log(offset)
+                read += data
+                if not data:  # nothing new yet
+                    assert time.monotonic() < deadline, f"batch {batch} was not read"
+                    time.sleep(0.05)
+        assert host.run_dir.joinpath("process.log.2").exists()  # it did roll over, twice
+        printed = [line for line in read.decode().splitlines() if line[:1].isdigit()]
+        assert printed == [f"{b}:{i:05d} " + "y" * 40 for b in range(batches)
+                           for i in range(lines)]
     finally:
         host.stop()
 

@@ -1,23 +1,32 @@
 """Start-up never claims success it did not have: a deployment whose instance dies on
 its first request fails bring-up, naming the instance and showing its log, and is
-stopped; one that answers is warmed up. The demo, too, says what failed when an
-instance dies under it, and shows the instance as down instead of a traceback."""
+stopped; one whose warm-up is answered only because another stage stood in for a dead
+one fails too, naming the stage; one that answers is warmed up. The demo, too, says
+what failed when an instance dies under it, and shows the instance as down instead of
+a traceback."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import sys
+from urllib.parse import urlparse
 
+import httpx
 import pytest
 from rich.console import Console
 
 from epd_serve.cli.demo import show_requests
+from epd_serve.proxy import ProxyConfig, create_app
 from epd_serve.runtime import deploy
 from epd_serve.runtime.launcher import Launcher
 from epd_serve.runtime.progress import warm_up
 from epd_serve.runtime.supervision import LaunchError
+from epd_serve.testing.fake_server import ThreadedServer, create_fake_app
 
+from .proxy_harness import ProxyThread
 from .test_config_launcher import FakeEnginePlatform, make_dep, pid_alive
+from .test_proxy import wait_for
 
 # An instance that starts and answers probes, then dies on a request (the first unless
 # told otherwise), as a decode worker killed by SIGILL does (its engine exits, -4).
@@ -91,6 +100,32 @@ def test_bring_up_fails_and_stops_everything_when_the_warm_up_fails(tmp_path, mo
         deploy.bring_up(dep)
     pids = [child.process.pid for child in started[0].children]
     assert pids and not any(pid_alive(pid) for pid in pids)
+
+
+def test_a_warm_up_answered_by_a_stand_in_fails_naming_the_stage(tmp_path):
+    # The deployment's proxy with fake E and D instances and its prefill instance gone:
+    # the proxy answers 200, decode having computed the prompt (FALLBACK=P>D).
+    dep = make_dep(tmp_path, "E-P-D")
+    port = urlparse(dep.proxy_url).port
+    with contextlib.ExitStack() as stack:
+        entries = []
+        for launch in dep.launches:
+            roles = launch.instance.roles
+            url = ("http://127.0.0.1:9" if roles == "P"  # nothing listens: refused
+                   else stack.enter_context(ThreadedServer(create_fake_app(launch.name))).url)
+            entries.append({"name": launch.name, "roles": roles, "url": url,
+                            **({"kv_endpoint": "127.0.0.1:30100"} if roles == "P" else {})})
+        config = ProxyConfig(model="fake", instances=entries, port=port, health_interval_s=0.05)
+        stack.enter_context(ProxyThread(create_app(config), port=port))
+        wait_for(lambda: httpx.get(dep.proxy_url + "/health").json().get("stand_ins")
+                 == ["P>D"], "the proxy to see prefill down")
+        with pytest.raises(LaunchError) as info:
+            warm_up(dep, timeout=30)
+    message = str(info.value)
+    assert message.startswith("the text warm-up request")
+    assert "stage P (prefill) has no healthy instance, D did its work" in message
+    assert "FALLBACK=P>D" in message
+    assert "p0 [P]: down" in message  # the instance to look at, with its log
 
 
 def test_a_deployment_that_answers_is_warmed_up(tmp_path):

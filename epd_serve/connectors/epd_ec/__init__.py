@@ -2,9 +2,9 @@
 
 Load it in vLLM with `"ec_connector": "EPDECConnector",
 "ec_connector_module_path": "epd_serve.connectors.epd_ec"`. The facade is
-connector.py; scheduler.py and worker.py are its two sides, prefetch.py the listener
-that pulls hinted features on a consumer, codec.py tensors to bytes and back,
-stats.py its metrics. Imported lazily, so
+connector.py; scheduler.py and worker.py are its two sides, loader.py reads a
+consumer's features (hinted or asked for) into its memory before they are promised,
+codec.py turns tensors to bytes and back, stats.py keeps its metrics. Imported lazily, so
 the control plane can read `settings` without vLLM installed.
 """
 

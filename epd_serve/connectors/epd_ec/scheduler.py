@@ -4,14 +4,17 @@ Producer (encoder): notes each new request's placeholder metadata (the image gri
 the worker stores it beside the feature, and returns it in `ec_transfer_params`, which
 is what the proxy builds prefill's and decode's image references from.
 
-Consumer (prefill; decode when it must recompute): before a request is scheduled, each
-feature it still needs is pinned in the MM Store, so it cannot be evicted before the
-worker has loaded it. A feature the store lacks is encoded locally when the request
-carries the image; when it carries only a reference the request is failed at once
-(vLLM fails it with a retryable error) and the proxy sends it again with the image.
-Never the "encoder cache miss" crash: a feature is only promised when it is pinned.
+Consumer (prefill; decode when it must recompute): a feature is promised to vLLM
+("cached": vLLM will not run the encoder for it) only once its bytes are in this
+process (loader.py). Until its read is done the request waits, as vLLM makes requests
+wait for a transfer; the bytes then travel to the workers with the step. So whatever
+befalls the store (a lost entry, a restart, no answer) happens before the promise and
+turns into local encoding when the request carries the image, or, when it carries only
+a reference, into a failed request (vLLM fails it with a retryable error) that the
+proxy sends again with the image. The copy is held until the request ends; no store
+lease or pin can lapse under a request that waits in the queue.
 
-vLLM before 0.32 calls less of this (compat.py): no `request_finished` (pins are given
+vLLM before 0.32 calls less of this (compat.py): no `request_finished` (holds are given
 back when the request shows up in `finished_req_ids`, which is correct on every vLLM;
 and no `ec_transfer_params`), no way to fail a request (one that carries only a
 reference to a missing feature waits until its client aborts it), no EC metrics (the
@@ -21,63 +24,84 @@ counts are logged instead).
 from __future__ import annotations
 
 import logging
-from collections import Counter
+import time
 from dataclasses import dataclass, field
 
+import numpy as np
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorMetadata
 
 from epd_serve.connectors import compat
 from epd_serve.connectors.compat import PlaceholderMetadataResolver, collect_ec_item_metadata
+from epd_serve.connectors.epd_ec.loader import Feature, FeatureLoader
 from epd_serve.connectors.epd_ec.settings import Settings
 from epd_serve.connectors.epd_ec.stats import LoggedCounts, Recorder
-from epd_serve.mmstore import FeatureStore, StoreError, open_store
+from epd_serve.mmstore import FeatureMeta, FeatureStore, open_store
 
 log = logging.getLogger("vllm.epd_serve.ec")
+
+
+@dataclass
+class Load:
+    """A feature the worker puts into vLLM's encoder cache: its bytes (read by the
+    scheduler side), and when it was asked for, needed and here, for its span."""
+
+    data: np.ndarray
+    meta: FeatureMeta
+    source: str  # prefetched, prefetch_late or on_demand
+    marks: dict[str, float]  # event -> time.monotonic()
+    trace: dict[str, str] | None = None  # the request's trace context, where vLLM traces
 
 
 @dataclass
 class ECStep(ECConnectorMetadata):
     """What the worker does this step."""
 
-    loads: dict[str, int] = field(default_factory=dict)  # mm_hash -> embeddings to load
+    loads: dict[str, Load] = field(default_factory=dict)  # mm_hash -> feature to load
     publish: dict[str, dict] = field(default_factory=dict)  # mm_hash -> placeholder metadata
-    # mm_hash -> the trace context of the request a load is for, where vLLM traces: the
-    # worker makes the load a span of that request's timeline.
-    traces: dict[str, dict[str, str]] = field(default_factory=dict)
 
 
 class EPDECScheduler:
     def __init__(self, vllm_config, settings: Settings, producer: bool, consumer: bool):
         self.producer = producer
         self.consumer = consumer
+        self.settings = settings
         self.resolver = PlaceholderMetadataResolver(vllm_config.model_config)
-        self.store: FeatureStore = open_store(settings.store, local_host=settings.host,
-                                              wait_s=settings.open_timeout_s)
         self.recorder = Recorder()
         self._logged = None if compat.EC_STATS else LoggedCounts(self.recorder, "scheduler")
-        self._pins: dict[str, dict[str, bool]] = {}  # request id -> key -> pinned here
-        self._pinned: Counter[str] = Counter()  # key -> requests holding a pin
+        self.store: FeatureStore | None = None
+        self.loader: FeatureLoader | None = None
+        if consumer:
+            self.store = open_store(settings.store, local_host=settings.host,
+                                    wait_s=settings.open_timeout_s)
+            listen = None
+            if settings.prefetch_port is not None:
+                listen = (settings.host, settings.prefetch_port)
+            self.loader = FeatureLoader(self.store, settings.prefetch_budget_bytes, listen)
+        # request id -> key -> the copy it holds (None: encoded here)
+        self._decided: dict[str, dict[str, Feature | None]] = {}
+        self._held: dict[str, Feature] = {}  # key -> a copy some request holds
         self._unavailable: set[str] = set()  # failed, until vLLM finishes them
         self._to_fail: set[str] = set()  # failed, not yet handed to vLLM
-        self._loads: dict[str, int] = {}
-        self._traces: dict[str, dict[str, str]] = {}
+        self._loads: dict[str, Load] = {}
         self._publish: dict[str, dict] = {}
 
     # -- before scheduling ---------------------------------------------------------
     def ensure_cache_available(self, request, num_computed_tokens: int) -> bool:
         """Called on every scheduling pass (before vLLM 0.32: only while the request
-        has no computed token). Features are looked at again when more of the prompt
-        must be computed than before: a decode instance that expected the prompt's KV
-        first needs none, then all of them once that KV failed to arrive."""
+        waits). False: the request waits (a read is under way) or has failed. Features
+        are looked at again when more of the prompt must be computed than before: a
+        decode instance that expected the prompt's KV first needs none, then all of them
+        once that KV failed to arrive."""
         req_id = request.request_id
         if req_id in self._unavailable:
             return False
-        if self.producer and req_id not in self._pins:
+        if self.producer and req_id not in self._decided:
             items = collect_ec_item_metadata(request.mm_features, self.resolver)
             self._publish.update({key: item["metadata"] for key, item in items.items()})
-        decided = self._pins.setdefault(req_id, {})  # key -> pinned (True) or encoded here
+        decided = self._decided.setdefault(req_id, {})
         if not self.consumer:
             return True
+        waiting = False
         for index, feature in enumerate(request.mm_features):
             position = feature.mm_position
             if position.offset + position.length <= num_computed_tokens:
@@ -85,66 +109,79 @@ class EPDECScheduler:
             key = feature.identifier
             if key in decided:
                 continue
-            if self._pin(key, request.get_num_encoder_embeds(index)):
-                decided[key] = True
-            elif self._carries_media(feature):
-                log.info("epd-ec %s not in the MM Store: encoding it here (request %s)",
-                         key, req_id)
-                self.recorder.count("encoded_locally")
-                decided[key] = False
+            item = self.loader.want(key)
+            if not item.done.is_set():
+                if time.monotonic() - item.needed_at < self.settings.load_timeout_s:
+                    waiting = True
+                    continue
+                why = (f"took over {self.settings.load_timeout_s:g}s to read from the MM "
+                       "Store")
             else:
-                self.recorder.count("unavailable")
-                self._release(req_id)
-                self._unavailable.add(req_id)
-                if compat.EC_FAILS_REQUESTS:
-                    log.warning("epd-ec %s not in the MM Store and request %s carries no "
-                                "image: failing it for the proxy to resend with the image",
-                                key, req_id)
-                    self._to_fail.add(req_id)
-                else:
-                    log.error("epd-ec %s not in the MM Store and request %s carries no "
-                              "image; this vLLM cannot fail a request from its EC "
-                              "connector, so it waits until its client aborts it (send "
-                              "this engine images, not references)", key, req_id)
+                why = self._unusable(item, request.get_num_encoder_embeds(index))
+            if why is None:
+                self._hold(decided, key, item)
+            elif self._carries_media(feature):
+                log.info("epd-ec %s %s: encoding it here (request %s)", key, why, req_id)
+                self.recorder.count("encoded_locally")
+                decided[key] = None
+            else:
+                self._fail(req_id, key, why)
                 return False
-        return True
+        return not waiting
+
+    def _unusable(self, item: Feature, num_embeds: int) -> str | None:
+        """Why a finished read cannot stand for the feature (None: it can)."""
+        if item.result is None:
+            if item.error:
+                return f"could not be read from the MM Store ({item.error})"
+            return "not in the MM Store"
+        meta = item.result[1]
+        if not meta.shape or meta.shape[0] != num_embeds:
+            # Another feature under this key would stop the model that is fed it.
+            return (f"has shape {meta.shape} in the MM Store, the request needs "
+                    f"{num_embeds} embeddings")
+        return None
+
+    def _hold(self, decided: dict, key: str, item: Feature) -> None:
+        if key not in self._held:  # a new copy: count its read once
+            self._count_load(key, item)
+        self.loader.hold(item)
+        self._held[key] = item
+        decided[key] = item
+
+    def _count_load(self, key: str, item: Feature) -> None:
+        self.recorder.count("loaded")
+        self.recorder.count(item.source)
+        self.recorder.get(item.nbytes, item.ready_at - item.asked_at, item.overlap)
+        waited = max(0.0, item.ready_at - (item.needed_at or item.ready_at))
+        timing = ""
+        if item.overlap is not None:  # read: hint -> here; scheduling: hint -> needed
+            timing = (f" transfer_ms={(item.ready_at - item.asked_at) * 1e3:.2f}"
+                      f" sched_ms={(item.needed_at - item.asked_at) * 1e3:.2f}"
+                      f" overlap={item.overlap:.4f}")
+        log.info("epd-ec loaded mm_hash=%s bytes=%d source=%s wait_ms=%.2f%s", key,
+                 item.nbytes, item.source, waited * 1e3, timing)
+
+    def _fail(self, req_id: str, key: str, why: str) -> None:
+        self.recorder.count("unavailable")
+        self._release(req_id)
+        self._unavailable.add(req_id)
+        if compat.EC_FAILS_REQUESTS:
+            log.warning("epd-ec %s %s and request %s carries no image: failing it for "
+                        "the proxy to resend with the image", key, why, req_id)
+            self._to_fail.add(req_id)
+        else:
+            log.error("epd-ec %s %s and request %s carries no image; this vLLM cannot "
+                      "fail a request from its EC connector, so it waits until its client "
+                      "aborts it (send this engine images, not references)", key, why, req_id)
 
     def _release(self, req_id: str) -> None:
-        for key, pinned in self._pins.pop(req_id, {}).items():
-            if pinned:
-                self._unpin(key)
-
-    def _pin(self, key: str, num_embeds: int) -> bool:
-        """Hold `key` in the store for a request that needs `num_embeds` embeddings of it;
-        False when the store lacks it, or holds something else under that key (a
-        feature of another size would stop the worker that loads it)."""
-        if self._pinned[key] == 0:
-            try:
-                meta = self.store.pin(key)
-            except StoreError as err:
-                log.warning("epd-ec MM Store unreachable: %s", err)
-                return False
-            if meta is None:
-                return False
-            if not meta.shape or meta.shape[0] != num_embeds:
-                log.warning("epd-ec %s in the MM Store has shape %s, the request needs %d "
-                            "embeddings: not using it", key, meta.shape, num_embeds)
-                self._store_unpin(key)
-                return False
-        self._pinned[key] += 1
-        return True
-
-    def _unpin(self, key: str) -> None:
-        self._pinned[key] -= 1
-        if self._pinned[key] <= 0:
-            del self._pinned[key]
-            self._store_unpin(key)
-
-    def _store_unpin(self, key: str) -> None:
-        try:
-            self.store.unpin(key)
-        except StoreError:
-            pass  # the store's pins lapse by themselves
+        for key, item in self._decided.pop(req_id, {}).items():
+            if item is None:
+                continue
+            self.loader.release(item)
+            if item.holders == 0 and self._held.get(key) is item:
+                del self._held[key]
 
     def _carries_media(self, feature) -> bool:
         """True when the request holds what the encoder needs (pixels), not only the
@@ -155,24 +192,29 @@ class EPDECScheduler:
 
     # -- scheduling ------------------------------------------------------------------
     def has_cache_item(self, identifier: str) -> bool:
-        return self.consumer and identifier in self._pinned
+        return self.consumer and identifier in self._held
 
     def update_state_after_alloc(self, request, index: int) -> None:
         key = request.mm_features[index].identifier
-        if self.has_cache_item(key):
-            self._loads[key] = request.get_num_encoder_embeds(index)
-            if getattr(request, "trace_headers", None):
-                self._traces[key] = dict(request.trace_headers)
+        item = self._held.get(key)
+        if item is None or not self.consumer:
+            return
+        data, meta = item.result
+        marks = {"needed": item.needed_at or item.ready_at}
+        if item.hinted:  # a prefetch: hinted, then in memory here
+            marks |= {"hinted": item.asked_at, "in memory": item.ready_at}
+        trace = getattr(request, "trace_headers", None)
+        self._loads[key] = Load(data, meta, item.source, marks, dict(trace) if trace else None)
 
     def build_connector_meta(self, scheduler_output) -> ECStep:
-        # Requests finished since the last step give their pins back here, as well as
+        # Requests finished since the last step give their holds back here, as well as
         # in request_finished: vLLM before 0.32 never calls that for EC connectors.
         for req_id in scheduler_output.finished_req_ids:
             self._finished(req_id)
         if self._logged is not None:
             self._logged.tick()
-        step = ECStep(loads=self._loads, publish=self._publish, traces=self._traces)
-        self._loads, self._publish, self._traces = {}, {}, {}
+        step = ECStep(loads=self._loads, publish=self._publish)
+        self._loads, self._publish = {}, {}
         return step
 
     def take_unavailable_requests(self) -> set[str]:
@@ -196,4 +238,7 @@ class EPDECScheduler:
         self._release(req_id)
 
     def shutdown(self) -> None:
-        self.store.close()
+        if self.loader is not None:
+            self.loader.close()
+        if self.store is not None:
+            self.store.close()

@@ -18,12 +18,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     # Consumers: where the prefetch listener takes hints (the proxy sends the hashes of
     # a request's features there as soon as the encoder is done); None: no listener.
     prefetch_port: int | None = None
-    # Prefetched features not yet claimed by a request are kept up to this many bytes.
+    # Features read into a consumer that no request holds (prefetched, or kept for the
+    # next request of the same image) are kept up to this many bytes.
     prefetch_budget_bytes: int = 1 << 30
-    # How long a load waits for a prefetch already under way before reading itself.
-    prefetch_wait_s: float = 10.0
-    # How long a load keeps asking a store that does not answer (it may be restarting)
-    # before the worker gives up on the feature, and with it on the engine.
+    # The longest a request waits for its feature's read (a store that stopped
+    # answering) before the consumer encodes the image itself.
     load_timeout_s: float = 5.0
     # How long an engine starting waits for the store to answer: beside busy engines on
     # a small host its first answer took over 2 s (the engine then failed to start).

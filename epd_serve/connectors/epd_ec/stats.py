@@ -3,7 +3,8 @@
 Workers count what they save and load and return it as worker metadata (vLLM's V1
 model runner returns no worker stats for EC connectors); the scheduler side merges
 that with its own counts and hands the lot to vLLM, whose API server turns it into:
-- `epd_ec_features_total{event}`: saved, loaded, prefetched (ready before needed),
+- `epd_ec_features_total{event}`: saved, not_saved (the store failed the put, or had
+  just failed one), loaded, prefetched (ready before needed),
   prefetch_late (the load waited for it), on_demand (no hint, read at load time),
   encoded_locally (a consumer recomputed a missing feature), unavailable
   (missing and no image to recompute from: the request failed for the proxy to retry)
@@ -29,8 +30,8 @@ from epd_serve.connectors.compat import (
     ECConnectorWorkerMetadata,
 )
 
-EVENTS = ("saved", "loaded", "prefetched", "prefetch_late", "on_demand", "encoded_locally",
-          "unavailable")
+EVENTS = ("saved", "not_saved", "loaded", "prefetched", "prefetch_late", "on_demand",
+          "encoded_locally", "unavailable")
 SERIES = ("put_bytes", "put_s", "get_bytes", "get_s", "overlap")
 LOG_INTERVAL_S = 10.0
 

@@ -132,6 +132,9 @@ class Ping(msgspec.Struct, tag="ping", frozen=True):
 
 class Pong(msgspec.Struct, tag="pong", frozen=True):
     incarnation: str
+    # Of the pinged transfers, those prefill still holds. It lets one go only when no
+    # write of it is running and after telling decode how it ended: an acknowledged
+    # transfer missing here has ended, and decode gives it up.
     known: list[str]
 
 

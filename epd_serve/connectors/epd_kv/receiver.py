@@ -5,8 +5,13 @@ Runs in a decode engine's worker process. The model's thread calls `reserve` (be
 the step that follows the allocation) and `take_results` (after each step); the
 side-channel thread handles prefill's messages and, every tick, the checks:
 - a reservation the prefill worker does not acknowledge within `ack_timeout_s`;
+- a transfer that has not ended by its deadline (`Settings.receive_timeout_s`, sized
+  to the bytes reserved): decode cancels it and gives it up;
 - a prefill worker that stops answering pings for `peer_timeout_s`, or answers as a new
   incarnation (it restarted): its transfers are failed, nothing stale is kept;
+- a transfer the prefill worker answers pings without (`Pong.known`) for a heartbeat:
+  it has ended there and what said so was lost; prefill forgets a transfer only once
+  none of its writes is running, so it is given up at once;
 - a failed transfer whose writes are still in flight is held until prefill says they
   ended (`Released`), at most `release_grace_s`, so no late write lands in blocks the
   engine has already given to another request.
@@ -39,6 +44,7 @@ class Incoming:
     plan: msg.RecvPlan
     address: str  # the prefill worker's side channel, host:port
     reserved_at: float
+    deadline: float  # time.monotonic() by which it must have ended
     acked: bool = False
     incarnation: str | None = None
     landed_groups: int = 0
@@ -49,6 +55,7 @@ class Incoming:
     outcome: str | None = None  # "done" | "failed" | "cancelled"
     reason: str = ""
     waiting_release_since: float | None = None  # writes may still land until Released
+    missing_since: float | None = None  # acknowledged, then absent from prefill's pongs
     stats: msg.TransferStats | None = None
     resolved: bool = False  # reported to vLLM (or about to be)
 
@@ -72,6 +79,7 @@ class Receiver:
         self.te_session = te_session
         self.settings = settings
         self.stats = stats
+        self._block_bytes = sum(layout.block_bytes for layout in layouts)  # every layer
         self._lock = threading.Lock()
         self._incoming: dict[str, Incoming] = {}  # by transfer id
         self._peers: dict[str, Peer] = {}
@@ -93,13 +101,14 @@ class Receiver:
             self.channel.post(address, msg.encode(msg.Cancel(plan.transfer_id)))
             return
         now = time.monotonic()
+        deadline = now + self.settings.receive_timeout_s(len(plan.block_ids) * self._block_bytes)
         with self._lock:
             peer = self._peers.setdefault(address, Peer())
             if not any(i.address == address and not i.resolved for i in self._incoming.values()):
                 # Nothing was pending with it, so nothing was pinged: its silence so far
                 # says nothing about whether it is alive.
                 peer.last_heard = now
-            self._incoming[plan.transfer_id] = Incoming(plan, address, now)
+            self._incoming[plan.transfer_id] = Incoming(plan, address, now, deadline)
         self.channel.post(address, msg.encode(msg.Reserve(
             transfer_id=plan.transfer_id, decode_engine=self.engine_id,
             decode_rank=self.rank, te_session=self.te_session, block_ids=plan.block_ids,
@@ -156,6 +165,7 @@ class Receiver:
             peer.last_heard = now
             if isinstance(message, msg.Pong):
                 self._check_incarnation(address, peer, message.incarnation)
+                self._check_known(address, message, now)
                 return
             incoming = self._incoming.get(message.transfer_id)
             if incoming is None:
@@ -193,6 +203,25 @@ class Receiver:
                     self._resolve(incoming)
         peer.incarnation = incarnation
 
+    def _check_known(self, address: str, pong: msg.Pong, now: float) -> None:
+        """Give up the transfers prefill acknowledged and no longer knows: they ended
+        there, and the Done or Failed that said so was lost. Only after a heartbeat
+        without them: a pong can overtake a Done that another prefill thread sent
+        just before."""
+        known = set(pong.known)
+        for incoming in self._incoming.values():
+            if incoming.address != address or incoming.resolved or not incoming.acked \
+                    or incoming.incarnation != pong.incarnation:
+                continue
+            if incoming.plan.transfer_id in known:
+                incoming.missing_since = None
+            elif incoming.missing_since is None:
+                incoming.missing_since = now
+            elif now - incoming.missing_since >= self.settings.heartbeat_s:
+                self._conclude(incoming, "failed",
+                               f"prefill worker {address} no longer knows the transfer")
+                self._resolve(incoming)  # prefill forgets a transfer with nothing in flight
+
     def _on_tick(self) -> None:
         now = time.monotonic()
         with self._lock:
@@ -202,6 +231,15 @@ class Receiver:
                         and now - incoming.reserved_at > self.settings.ack_timeout_s:
                     self._conclude(incoming, "failed", f"prefill worker {incoming.address} did "
                                    f"not acknowledge within {self.settings.ack_timeout_s:.0f}s")
+                elif incoming.outcome is None and now > incoming.deadline:
+                    # Its writes may be running: prefill stops them and says when they
+                    # have ended (Released) before these blocks are reused.
+                    self._conclude(incoming, "failed", f"no KV from prefill worker "
+                                   f"{incoming.address} within "
+                                   f"{incoming.deadline - incoming.reserved_at:.1f}s of the "
+                                   f"reservation", in_flight=True)
+                    self.channel.post(incoming.address,
+                                      msg.encode(msg.Cancel(incoming.plan.transfer_id)))
                 elif incoming.waiting_release_since is not None \
                         and now - incoming.waiting_release_since > self.settings.release_grace_s:
                     logger.warning("epd-kv: transfer %s: no release from prefill after %.0fs",

@@ -1,7 +1,7 @@
 """Prefill side: write each layer group's KV into the decode instance's memory while
 later layers are still computing.
 
-Runs in a prefill engine's worker process, on four threads:
+Runs in a prefill engine's worker process, on five threads:
 - the model's thread calls `begin_step` (before the forward pass), `layer_saved`
   (after each attention layer wrote its KV) and `forward_done` (after the pass); it
   only queues jobs and never waits on the network (no thread holds the lock it takes
@@ -10,12 +10,18 @@ Runs in a prefill engine's worker process, on four threads:
   event recorded on the forward's stream, events.py; CPU kernels are done when they
   return), learns the per-layer compute time from those events, then starts a write
   per job, or parks the job until decode's reservation has arrived; a job that cannot
-  be written fails its transfer (decode recomputes), never settles it as done;
+  be written, for whatever reason, fails its transfer (decode recomputes), never
+  settles it as done, and the thread goes on with the next job;
 - the completion thread polls the writes in flight (sleeping between looks, never
   spinning), tells decode what landed, and finally sends `Done` with the numbers;
+- the drain thread (drain.py) waits out the segments of failed writes that may still
+  be running, so that wait holds up no other transfer's writes;
 - the side-channel thread handles decode's messages and, every tick, the timeouts:
   a write must finish within a time sized to the bytes in flight.
 Blocks stay pinned (vLLM's delayed free) until no write of the request is in flight.
+A transfer that fails before decode's reservation has come has nobody to tell yet:
+its failure is kept (on its record, then in `EndedTransfers`) and the reservation,
+when it comes, is refused with the reason, so decode recomputes at once.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from typing import TYPE_CHECKING
 
 from epd_serve.connectors.epd_kv import messages as msg
 from epd_serve.connectors.epd_kv.channel import Channel
+from epd_serve.connectors.epd_kv.drain import Drainer
 from epd_serve.connectors.epd_kv.events import Event, Marker, elapsed_s
 from epd_serve.connectors.epd_kv.grouping import (
     ComputeModel,
@@ -57,6 +64,9 @@ logger = logging.getLogger("vllm.epd_serve.kv.sender")
 # Destination used by the "fail_write" fault: an address no peer has registered, so
 # the transfer engine itself rejects the write.
 _UNREGISTERED_ADDRESS = 4096
+# Most ended transfers remembered (beyond it the oldest are forgotten early): far more
+# than end within reservation_timeout_s at any real rate, and a few MB at most.
+ENDED_CAPACITY = 100_000
 
 
 @dataclasses.dataclass
@@ -80,6 +90,7 @@ class Job:
     ready: Event | None = None  # device event recorded after the last layer's KV write
     step: StepStart | None = None  # on a device: when the step's first layer ended
     ends_forward: bool = False  # the request's last layer of its last chunk
+    queued: bool = True  # counted in its transfer's `queued` (not yet taken or parked)
 
 
 @dataclasses.dataclass
@@ -99,6 +110,7 @@ class Outgoing:
     all_queued: bool = False  # the last chunk's forward pass is over
     finished_at: float | None = None  # the scheduler finished the request
     outcome: str | None = None  # "done" | "failed" | "cancelled"
+    reason: str = ""  # why it failed or was cancelled
     announced_failure: bool = False
     nbytes: int = 0
     groups: int = 0
@@ -121,6 +133,43 @@ class InFlight:
     last_layer: int
     submitted: float
     deadline: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Ended:
+    outcome: str
+    reason: str
+    at: float  # time.monotonic()
+
+
+class EndedTransfers:
+    """Transfers this worker is done with, by id: a late chunk or a reservation of one
+    is answered at once (decode recomputes) instead of waiting out a timeout. Bounded:
+    each is kept for `ttl_s`, and at most `capacity` of them (the oldest go first)."""
+
+    def __init__(self, ttl_s: float, capacity: int = ENDED_CAPACITY):
+        self.ttl_s = ttl_s
+        self.capacity = capacity
+        self._ended: dict[str, Ended] = {}  # oldest first (insertion order)
+
+    def __contains__(self, transfer_id: str) -> bool:
+        return transfer_id in self._ended
+
+    def get(self, transfer_id: str) -> Ended | None:
+        return self._ended.get(transfer_id)
+
+    def add(self, transfer_id: str, outcome: str, reason: str) -> None:
+        self._ended.pop(transfer_id, None)  # an entry made again is the newest
+        self._ended[transfer_id] = Ended(outcome, reason, time.monotonic())
+        while len(self._ended) > self.capacity:
+            del self._ended[next(iter(self._ended))]
+
+    def expire(self, now: float) -> None:
+        while self._ended:  # oldest first: stop at the first fresh one
+            oldest = next(iter(self._ended))
+            if now - self._ended[oldest].at <= self.ttl_s:
+                break
+            del self._ended[oldest]
 
 
 def busy_time(intervals: list[tuple[float, float]]) -> float:
@@ -151,15 +200,13 @@ class Sender:
         self.incarnation = f"{engine_id}:{rank}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._lock = threading.Lock()
         self._transfers: dict[str, Outgoing] = {}
-        # Transfers this worker is done with -> (outcome, when), kept for
-        # reservation_timeout_s: a late chunk or a second reservation of one is
-        # answered at once instead of waiting out a timeout.
-        self._ended: dict[str, tuple[str, float]] = {}
+        self._ended = EndedTransfers(settings.reservation_timeout_s)
         self._in_flight: dict[int, InFlight] = {}  # by id(write)
         self._finished_sending: set[str] = set()
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._writes: queue.Queue[InFlight | None] = queue.Queue()
         self.channel = Channel("prefill", self._on_message, self._on_tick)
+        self.drainer = Drainer(link, self._drained)
         # Per-step state, touched only by the model's thread.
         self._chunks: list[msg.SendChunk] = []
         self._step_tokens = 0
@@ -171,12 +218,14 @@ class Sender:
     def start(self, port: int) -> None:
         self.channel.serve(self.settings.host, port)
         self.channel.start()
+        self.drainer.start()
         for target in (self._submit_loop, self._complete_loop):
             threading.Thread(target=target, name=f"epd-kv-{target.__name__}", daemon=True).start()
 
     def close(self) -> None:
         self._jobs.put(None)
         self._writes.put(None)
+        self.drainer.close()
         self.channel.close()
 
     # -- the model's thread -------------------------------------------------
@@ -317,14 +366,28 @@ class Sender:
     def _submit_loop(self) -> None:
         while (job := self._jobs.get()) is not None:
             try:
-                if job.ready is not None:
-                    job.ready.synchronize()  # blocking: sleeps until the kernels ran
-                    self._timed(job)
-            except Exception as err:  # the device failed the kernels that wrote the KV
-                self._job_failed(job, f"waiting for layers {job.first_layer}-"
-                                      f"{job.last_layer} on the device failed: {err}")
-                continue
-            self._submit(job)
+                self._write_job(job)
+            except Exception as err:
+                # A bug: the device's and the network's errors are handled where they
+                # happen. Only this job's transfer fails; the other transfers need this
+                # thread to go on.
+                logger.exception("epd-kv: transfer %s: writing layers %d-%d failed",
+                                 job.transfer_id, job.first_layer, job.last_layer)
+                self._job_failed(job, f"writing layers {job.first_layer}-{job.last_layer} "
+                                      f"failed: {type(err).__name__}: {err}")
+
+    def _write_job(self, job: Job) -> None:
+        try:
+            if job.ready is not None:
+                job.ready.synchronize()  # blocking: sleeps until the kernels ran
+                self._timed(job)
+        except Exception as err:  # the device failed the kernels that wrote the KV
+            reason = f"waiting for layers {job.first_layer}-{job.last_layer} on the " \
+                     f"device failed: {err}"
+            logger.error("epd-kv: transfer %s: %s", job.transfer_id, reason)
+            self._job_failed(job, reason)
+            return
+        self._submit(job)
 
     def _timed(self, job: Job) -> None:
         """What a device event that just completed tells: the per-layer compute time
@@ -347,13 +410,14 @@ class Sender:
                 out.forward_end, out.forward_end_wall = now, wall
 
     def _job_failed(self, job: Job, reason: str) -> None:
-        """A queued job that will never be written: its transfer fails (decode
-        recomputes the prompt) instead of settling as done with layers missing."""
-        logger.error("epd-kv: transfer %s: %s", job.transfer_id, reason)
+        """A job that will never be written: its transfer fails (decode recomputes the
+        prompt) instead of settling as done with layers missing."""
         with self._lock:
             out = self._transfers.get(job.transfer_id)
             if out is not None:
-                out.queued -= 1
+                if job.queued:
+                    out.queued -= 1
+                    job.queued = False
                 self._fail(out, reason)
                 self._settle(out)
 
@@ -365,6 +429,7 @@ class Sender:
             if out is None:
                 return
             out.queued -= 1
+            job.queued = False
             if out.outcome is not None:
                 self._settle(out)
                 return
@@ -377,40 +442,50 @@ class Sender:
             res, fault = out.reservation, out.fault
             pending = sum(f.nbytes for f in self._in_flight.values())
         try:
-            pairs = [(src, res.block_ids[index - res.first_block])
-                     for index, src in enumerate(job.block_ids, start=job.first_block)
-                     if 0 <= index - res.first_block < len(res.block_ids)]
-            runs = block_runs([s for s, _ in pairs], [d for _, d in pairs])
-            srcs, dsts, lens = segments(self.layouts, res.layout,
-                                        range(job.first_layer, job.last_layer + 1), runs)
-            if fault == "fail_write":
-                dsts = [_UNREGISTERED_ADDRESS] * len(dsts)
-            write = self.link.submit(res.te_session, srcs, dsts, lens) if lens else None
+            flight = self._start_write(job, res, fault, pending)
         except Exception as err:
-            if not isinstance(err, TransferError):
+            unfinished = None  # segments of the write that may still be running
+            if isinstance(err, TransferError):
+                unfinished = err.unfinished
+            else:
                 logger.exception("epd-kv: submitting a write of transfer %s failed",
                                  job.transfer_id)
             with self._lock:
-                out.in_flight -= 1
-                self._fail(out, f"write of layers {job.first_layer}-{job.last_layer} "
-                                f"failed: {err}")
-                self._settle(out)
+                self._write_failed(out, f"write of layers {job.first_layer}-{job.last_layer} "
+                                        f"failed: {err}", unfinished)
             return
-        if write is None:  # decode had these blocks cached already
-            with self._lock:
+        with self._lock:
+            if flight is None:  # decode had these blocks cached already
                 out.in_flight -= 1
                 out.groups += 1
                 self._settle(out)
-            return
+                return
+            self._in_flight[id(flight.write)] = flight
+        self._writes.put(flight)
+
+    def _start_write(self, job: Job, res: msg.Reserve, fault: str | None,
+                     pending: int) -> InFlight | None:
+        """Submit the job's write into decode's reserved blocks, with a deadline sized
+        to its bytes and the `pending` bytes already in flight; None if decode has all
+        these blocks already. Nothing is computed after the submit, so an error here
+        means nothing of the write is running, or the `TransferError` says what is."""
+        pairs = [(src, res.block_ids[index - res.first_block])
+                 for index, src in enumerate(job.block_ids, start=job.first_block)
+                 if 0 <= index - res.first_block < len(res.block_ids)]
+        runs = block_runs([s for s, _ in pairs], [d for _, d in pairs])
+        srcs, dsts, lens = segments(self.layouts, res.layout,
+                                    range(job.first_layer, job.last_layer + 1), runs)
+        if not lens:
+            return None
+        if fault == "fail_write":
+            dsts = [_UNREGISTERED_ADDRESS] * len(dsts)
         nbytes = sum(lens)
-        now = time.perf_counter()
         timeout = self.settings.transfer_timeout_s(self.link_cost.model.transfer_s(
             pending + nbytes))
-        flight = InFlight(out.transfer_id, write, nbytes, job.first_layer, job.last_layer,
-                          now, now + timeout)
-        with self._lock:
-            self._in_flight[id(write)] = flight
-        self._writes.put(flight)
+        write = self.link.submit(res.te_session, srcs, dsts, lens)
+        now = time.perf_counter()
+        return InFlight(job.transfer_id, write, nbytes, job.first_layer, job.last_layer,
+                        now, now + timeout)
 
     # -- the completion thread ----------------------------------------------
     def _complete_loop(self) -> None:
@@ -438,12 +513,13 @@ class Sender:
         if out is not None and out.fault == "stall" and out.groups == 0 \
                 and now < flight.deadline + 0.5:
             return False  # a write that hangs past its deadline, then lands
+        unfinished = None
         try:
             if not self.link.done(flight.write):
                 return False
             error = None
         except TransferError as err:
-            error = str(err)
+            error, unfinished = str(err), err.unfinished
         except Exception as err:  # never let one odd answer end the completion thread
             logger.exception("epd-kv: checking a write of transfer %s failed",
                              flight.transfer_id)
@@ -453,11 +529,12 @@ class Sender:
             out = self._transfers.get(flight.transfer_id)
             if out is None:
                 return True
-            out.in_flight -= 1
             if error is not None:
-                self._fail(out, f"write of layers {flight.first_layer}-{flight.last_layer} "
-                                f"failed: {error}")
-            elif out.outcome is None:
+                self._write_failed(out, f"write of layers {flight.first_layer}-"
+                                        f"{flight.last_layer} failed: {error}", unfinished)
+                return True
+            out.in_flight -= 1
+            if out.outcome is None:
                 self.link_cost.observe(flight.nbytes, now - flight.submitted)
                 out.nbytes += flight.nbytes
                 out.groups += 1
@@ -466,6 +543,15 @@ class Sender:
                                            flight.last_layer, flight.nbytes))
             self._settle(out)
         return True
+
+    # -- the drain thread -----------------------------------------------------
+    def _drained(self, transfer_id: str) -> None:
+        """A failed write's last segments have ended: it is no longer in flight."""
+        with self._lock:
+            out = self._transfers.get(transfer_id)
+            if out is not None:
+                out.in_flight -= 1
+                self._settle(out)
 
     # -- the side-channel thread --------------------------------------------
     def _on_message(self, peer: str, payload: bytes) -> None:
@@ -482,12 +568,13 @@ class Sender:
                 if out is None:
                     # Decode gave up before this worker saw the request (or after it was
                     # done): its chunks, if they come, are settled at once.
-                    self._ended.setdefault(message.transfer_id, ("cancelled", time.monotonic()))
+                    if message.transfer_id not in self._ended:
+                        self._ended.add(message.transfer_id, "cancelled", "cancelled by decode")
                     self.channel.post(peer, msg.encode(msg.Released(message.transfer_id)))
                     return
                 out.peer = peer
                 if out.outcome is None:
-                    out.outcome = "cancelled"
+                    out.outcome, out.reason = "cancelled", "cancelled by decode"
                     out.announced_failure = True  # decode knows: it asked
                 out.backlog.clear()
                 self._settle(out)
@@ -503,17 +590,21 @@ class Sender:
                                      res.layout_name)
         backlog: list[Job] = []
         with self._lock:
-            ended = None if res.transfer_id in self._transfers else \
-                self._ended.get(res.transfer_id)
-            if ended and not error:
-                # A decode instance retrying a request another one started: the transfer
-                # is over here, so decode computes the prompt itself, now.
-                error = f"transfer {res.transfer_id} already ended on this prefill ({ended[0]})"
+            out = self._transfers.get(res.transfer_id)
+            # Over here already: a decode instance retrying a request another one
+            # started, or a transfer this worker failed before the reservation came
+            # (nobody to tell then). Decode computes the prompt itself, now.
+            ended = self._ended.get(res.transfer_id) if out is None else out
+            if not error and ended is not None and ended.outcome is not None:
+                how = f"{ended.outcome}: {ended.reason}" if ended.reason else ended.outcome
+                error = f"transfer {res.transfer_id} already ended on this prefill ({how})"
             if not error:
                 out = self._transfers.setdefault(res.transfer_id, Outgoing(res.transfer_id))
                 out.reservation, out.peer = res, peer
                 backlog, out.backlog = out.backlog, []
                 out.queued += len(backlog)
+                for job in backlog:
+                    job.queued = True
         if error:
             logger.warning("epd-kv: refused reservation %s: %s", res.transfer_id, error)
             self.channel.post(peer, msg.encode(msg.Ack(res.transfer_id, self.incarnation, error)))
@@ -544,11 +635,7 @@ class Sender:
                 else:
                     continue
                 self._settle(out)
-            while self._ended:  # oldest first (insertion order): stop at the first fresh
-                oldest = next(iter(self._ended))
-                if now - self._ended[oldest][1] <= limit:
-                    break
-                del self._ended[oldest]
+            self._ended.expire(now)
 
     # -- state changes (caller holds the lock) ------------------------------
     def _transfer(self, transfer_id: str) -> Outgoing:
@@ -557,8 +644,9 @@ class Sender:
         out = self._transfers.get(transfer_id)
         if out is None:
             out = self._transfers[transfer_id] = Outgoing(transfer_id)
-            if transfer_id in self._ended:
-                out.outcome = self._ended[transfer_id][0]
+            ended = self._ended.get(transfer_id)
+            if ended is not None:
+                out.outcome, out.reason = ended.outcome, ended.reason
         return out
 
     def _finish(self, finished: msg.FinishedSend) -> None:
@@ -573,7 +661,7 @@ class Sender:
     def _fail(self, out: Outgoing, reason: str) -> None:
         if out.outcome is not None:
             return
-        out.outcome = "failed"
+        out.outcome, out.reason = "failed", reason
         out.backlog.clear()
         self.stats.record("send_failures")
         logger.warning("epd-kv: transfer %s (request %s) failed: %s", out.transfer_id,
@@ -602,7 +690,19 @@ class Sender:
             return  # the request is still running here
         # Its blocks are released (finished), or it was a reservation nobody will use.
         del self._transfers[out.transfer_id]
-        self._ended[out.transfer_id] = (out.outcome, time.monotonic())
+        self._ended.add(out.transfer_id, out.outcome, out.reason)
+
+    def _write_failed(self, out: Outgoing, reason: str, unfinished: Write | None) -> None:
+        """One of the transfer's writes failed. If some of its segments may still be
+        running (`unfinished`), it stays in flight until the drain thread has seen them
+        end: the request's blocks stay pinned, and decode, told so, waits for
+        `Released` before reusing its own."""
+        if unfinished is None:
+            out.in_flight -= 1
+        else:
+            self.drainer.put(out.transfer_id, unfinished)  # `_drained` when they end
+        self._fail(out, reason)
+        self._settle(out)
 
     def _transfer_stats(self, out: Outgoing) -> msg.TransferStats:
         starts = [s for s, _ in out.intervals] or [out.forward_end or 0.0]

@@ -40,6 +40,18 @@ class Settings:
     transfer_timeout_slack: float = 20.0  # ... else this many times its expected time
     reservation_timeout_s: float = 120.0  # prefill: unmatched transfers are dropped
     release_grace_s: float = 30.0  # decode: wait for a failed transfer's writes to end
+    # decode: a reserved transfer must end (Done or Failed) within receive_timeout_base_s
+    # of the reservation plus receive_timeout_per_gb_s per GB of KV it reserves; past
+    # that decode cancels it and computes the prompt itself (its blocks are reused once
+    # prefill says no write is running, at most release_grace_s later). Decode reserves
+    # as soon as prefill has taken the request, so this covers prefill's queue and
+    # compute as well as the writes; the per-GB part allows for a link as slow as
+    # 100 MB/s. It is the bound for a prefill engine that hangs with its side channel
+    # alive: a prefill that dies is given up after peer_timeout_s, one that restarts or
+    # no longer knows the transfer within about two heartbeats, and a transfer it failed
+    # before the reservation came at the reservation's answer.
+    receive_timeout_base_s: float = 60.0
+    receive_timeout_per_gb_s: float = 10.0
     fault_injection: bool = False  # honour kv_transfer_params["epd_fault"] (tests)
 
     @classmethod
@@ -69,3 +81,6 @@ class Settings:
 
     def transfer_timeout_s(self, expected_s: float) -> float:
         return max(self.transfer_timeout_floor_s, self.transfer_timeout_slack * expected_s)
+
+    def receive_timeout_s(self, nbytes: int) -> float:
+        return self.receive_timeout_base_s + self.receive_timeout_per_gb_s * nbytes / 1e9

@@ -10,7 +10,10 @@ that makes (`transport`), and refuses to fall back to TCP when RDMA was asked fo
 Every segment is its own transfer, polled without blocking: the engine's batch status
 call busy-waits on a core until the batch is done (and gives up only after its 30 s
 default timeout), which on a small host steals the very CPU the prefill computes with.
-Separate segments also travel in parallel.
+Separate segments also travel in parallel. A write fails as soon as one segment fails
+or is refused, while its other segments may still be running: the error hands them
+back (`TransferError.unfinished`) for the caller to wait out (`segments_ended`) where
+that wait holds nobody up (drain.py), before the memory they read is reused.
 """
 
 from __future__ import annotations
@@ -31,7 +34,12 @@ DRAIN_TIMEOUT_S = 30.0
 
 
 class TransferError(RuntimeError):
-    """A write the transfer engine could not complete."""
+    """A write the transfer engine could not complete. `unfinished`: that write, if some
+    of its segments may still be running (reading our memory until they end)."""
+
+    def __init__(self, message: str, unfinished: "Write | None" = None):
+        super().__init__(message)
+        self.unfinished = unfinished
 
 
 @dataclasses.dataclass
@@ -86,49 +94,62 @@ class Link:
             raise TransferError(f"registering {len(spans)} KV cache allocation(s) failed")
 
     def submit(self, peer: str, srcs: list[int], dsts: list[int], lens: list[int]) -> Write:
-        """Start writing local `srcs` to the peer's `dsts`."""
+        """Start writing local `srcs` to the peer's `dsts`. If a segment is refused, the
+        error carries those already accepted (they may still read our memory)."""
         write = Write([])
         for src, dst, length in zip(srcs, dsts, lens):
             transfer = self.engine.transfer_submit_write(peer, src, dst, length)
             if transfer <= 0:
-                self._drain(write)  # what was submitted may still read our memory
                 raise TransferError(f"write of {len(lens)} segment(s) to {peer} was not "
-                                    f"accepted (segment {len(write.ids)})")
+                                    f"accepted (segment {len(write.ids)})",
+                                    write if write.ids else None)
             write.ids.append(transfer)
         return write
 
     def done(self, write: Write) -> bool:
-        """Whether every segment has landed; raises if one failed."""
+        """Whether every segment has landed; raises at once if one failed, with the
+        write as `unfinished` if later segments may still be running."""
         while write.checked < len(write.ids):
             status = self.engine.transfer_check_status(write.ids[write.checked])
             if status == 0:
                 return False
+            write.checked += 1
             if status < 0:
-                write.checked += 1
-                self._drain(write)
                 raise TransferError("write failed" if status == -1 else "write timed out "
-                                    "in the transfer engine")
+                                    "in the transfer engine",
+                                    write if write.checked < len(write.ids) else None)
+        return True
+
+    def segments_ended(self, write: Write) -> bool:
+        """For a failed write: whether its remaining segments have all ended, however
+        they ended (until then they may still read our memory). Never blocks."""
+        while write.checked < len(write.ids):
+            if self.engine.transfer_check_status(write.ids[write.checked]) == 0:
+                return False
             write.checked += 1
         return True
 
     def _drain(self, write: Write, timeout_s: float = DRAIN_TIMEOUT_S) -> None:
-        """Wait for the rest of a failed write's segments (they may still be reading
-        our memory), ignoring how they end; at most `timeout_s`."""
+        """Wait for the rest of a failed write's segments, at most `timeout_s`."""
         deadline = time.monotonic() + timeout_s
-        for transfer in write.ids[write.checked:]:
-            while self.engine.transfer_check_status(transfer) == 0:
-                if time.monotonic() > deadline:
-                    raise TransferError(f"{len(write.ids) - write.checked} segment(s) of a "
-                                        f"failed write still running after {timeout_s:.0f}s")
-                time.sleep(POLL_S)
-            write.checked += 1
+        while not self.segments_ended(write):
+            if time.monotonic() > deadline:
+                raise TransferError(f"{len(write.ids) - write.checked} segment(s) of a "
+                                    f"failed write still running after {timeout_s:.0f}s")
+            time.sleep(POLL_S)
 
     def wait(self, write: Write) -> None:
         while not self.done(write):
             time.sleep(POLL_S)
 
     def write(self, peer: str, srcs: list[int], dsts: list[int], lens: list[int]) -> None:
-        self.wait(self.submit(peer, srcs, dsts, lens))
+        """Write and wait (calibration): a failed write is waited out here, too."""
+        try:
+            self.wait(self.submit(peer, srcs, dsts, lens))
+        except TransferError as err:
+            if err.unfinished is not None:
+                self._drain(err.unfinished)
+            raise
 
     def calibrate(self, scratch_addr: int, scratch_bytes: int, repeats: int = 5) -> LinkModel:
         """Time writes from the first half of a registered scratch area into its second

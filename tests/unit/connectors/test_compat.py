@@ -29,7 +29,7 @@ from epd_serve.mmstore import open_store
 from ...ports import free_port_block
 from ...stores import started_shm_store
 from ...waiting import wait_for
-from .test_epd_ec import GRID, ItemData, feature, handled, request, store_feature
+from .test_epd_ec import GRID, ItemData, decided, feature, request, store_feature
 
 NEW_API = pytest.param(True, id="vllm-0.32-api")
 OLD_API = pytest.param(False, id="vllm-0.23-api")
@@ -257,19 +257,18 @@ def step(*finished: str):
     return SimpleNamespace(finished_req_ids=set(finished))
 
 
-def test_pins_are_given_back_when_vllm_reports_the_request_finished(spec):
-    store_feature(spec, "pinned")
+def test_copies_are_given_back_when_vllm_reports_the_request_finished(spec):
+    store_feature(spec, "held")
     connector = ec_connector(spec, "SCHEDULER")
-    assert connector.ensure_cache_available(request("r1", feature("pinned")), 0)
-    assert connector.has_cache_item("pinned")
+    assert decided(connector.scheduler, request("r1", feature("held")))
+    assert connector.has_cache_item("held")
     connector.build_connector_meta(step())
-    assert connector.has_cache_item("pinned")  # still running
+    assert connector.has_cache_item("held")  # still running
     # No request_finished (vLLM 0.23 never calls it): the next step's output says so.
     connector.build_connector_meta(step("r1"))
-    assert not connector.has_cache_item("pinned")
-    handled(connector.scheduler.store)  # its unpin has reached the store
-    with open_store(spec) as store:
-        assert store.delete("pinned") is True  # nobody holds it any more
+    assert not connector.has_cache_item("held")
+    assert not connector.scheduler.loader.has_copy("held")  # nobody holds it any more
+    connector.shutdown()
 
 
 @pytest.mark.parametrize("fails_requests", [NEW_API, OLD_API])
@@ -278,12 +277,12 @@ def test_a_reference_to_a_missing_feature_is_failed_only_where_vllm_can(spec, mo
     monkeypatch.setattr(compat, "EC_FAILS_REQUESTS", fails_requests)
     connector = ec_connector(spec, "SCHEDULER")
     req = request("r2", feature("nowhere"))
-    assert connector.ensure_cache_available(req, 0) is False
+    assert decided(connector.scheduler, req) is False
     assert connector.ensure_cache_available(req, 0) is False  # decided once
     # Handed to vLLM to fail, where vLLM takes it; nothing piles up where it does not.
     assert connector.take_unavailable_requests() == ({"r2"} if fails_requests else set())
     connector.build_connector_meta(step("r2"))  # the client gave up on it
-    assert not connector.scheduler._pins and not connector.scheduler._unavailable
+    assert not connector.scheduler._decided and not connector.scheduler._unavailable
     assert connector.scheduler.recorder.take()["events"]["unavailable"] == 1
 
 
@@ -302,7 +301,7 @@ def test_scheduler_counts_go_to_vllm_or_else_to_the_log(spec, monkeypatch, has_s
     connector = ec_connector(spec, "SCHEDULER")
     if not has_stats:
         connector.scheduler._logged.interval_s = 0
-    assert connector.ensure_cache_available(request("r3", feature("elsewhere", pixels=True)), 0)
+    assert decided(connector.scheduler, request("r3", feature("elsewhere", pixels=True)))
     connector.build_connector_meta(step())
     if has_stats:
         assert log.lines == []

@@ -4,6 +4,7 @@ prefill worker's feature load, under the trace context its scheduler passed on."
 
 from __future__ import annotations
 
+import dataclasses
 import http.server
 import threading
 import types
@@ -21,6 +22,7 @@ from epd_serve.connectors.spans import ConnectorSpans
 from proxy.timeline import parse_otlp
 
 from ...stores import started_shm_store
+from .test_epd_ec import decided
 from .test_epd_ec import feature as ec_feature
 from .test_epd_ec import request as ec_request
 from .test_epd_ec import scheduler as ec_scheduler
@@ -127,17 +129,18 @@ def test_prefill_loads_a_feature_as_a_span_of_the_request_it_is_for(store_spec):
     sched = ec_scheduler(store_spec)
     traced = ec_request("r", ec_feature("img"))
     traced.trace_headers = TRACEPARENT
-    assert sched.ensure_cache_available(traced, 0)
+    assert decided(sched, traced)
     sched.update_state_after_alloc(traced, 0)
     step = sched.build_connector_meta(types.SimpleNamespace(finished_req_ids=set()))
-    assert step.loads == {"img": 4} and step.traces == {"img": TRACEPARENT}
-    # ... and the worker records the load under it, from when the step needed it.
+    assert list(step.loads) == ["img"] and step.loads["img"].trace == TRACEPARENT
+    # ... and the worker records the load under it, from when the request needed it.
     worker = EPDECWorker(ECSettings(store=store_spec), producer=False, consumer=True,
                          spans=RecordedSpans())
     try:
         cache = {}
         worker.start_load_caches(step, cache)
-        worker.start_load_caches(ECStep(loads={"img": 4}), {})  # untraced: no span
+        untraced = dataclasses.replace(step.loads["img"], trace=None)
+        worker.start_load_caches(ECStep(loads={"img": untraced}), {})  # no span
     finally:
         worker.shutdown()
         sched.shutdown()

@@ -1,10 +1,13 @@
 """The EC connector's decisions against a real shared-memory store: what the scheduler
-side pins, encodes locally or fails, and the worker side's prefetch listener and loads.
-vLLM requests are stood in for by the few fields the connector reads."""
+side promises (once the feature's bytes are in its own memory), encodes locally or
+fails, its loader's prefetch listener, and the worker side's loads. vLLM requests are
+stood in for by the few fields the connector reads."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
+
+import time
 
 import msgspec
 import numpy as np
@@ -15,7 +18,7 @@ import zmq
 from epd_serve.connectors import compat
 from epd_serve.connectors.epd_ec import codec
 from epd_serve.connectors.epd_ec.codec import HostStaging, to_bytes, to_tensor
-from epd_serve.connectors.epd_ec.prefetch import Prefetcher
+from epd_serve.connectors.epd_ec.loader import FeatureLoader
 from epd_serve.connectors.epd_ec.scheduler import EPDECScheduler
 from epd_serve.connectors.epd_ec.settings import Settings
 from epd_serve.mmstore import FeatureMeta, open_store
@@ -33,9 +36,9 @@ def spec():
         yield spec
 
 
-def scheduler(spec, producer=False, consumer=True) -> EPDECScheduler:
+def scheduler(spec, producer=False, consumer=True, **settings) -> EPDECScheduler:
     vllm_config = SimpleNamespace(model_config=None)
-    sched = EPDECScheduler(vllm_config, Settings(store=spec), producer, consumer)
+    sched = EPDECScheduler(vllm_config, Settings(store=spec, **settings), producer, consumer)
     # What Qwen2-VL declares as placeholder metadata (vLLM reads it from the model).
     sched.resolver._cache["image"] = {"image_grid_thw"}
     return sched
@@ -73,54 +76,68 @@ def store_feature(spec, key: str) -> None:
         store.put(key, np.arange(64, dtype=np.uint8), FeatureMeta((4, 8), "bfloat16", GRID))
 
 
-def handled(store) -> None:
-    """Return once the store server has handled everything `store` sent so far: pins
-    and unpins go without an answer, but the server handles one connection's messages
-    in order, so the answer to a round trip on it (deleting a key nobody stored) comes
-    after theirs."""
-    assert store.delete("never-stored") is False
+def decided(sched, req, num_computed_tokens: int = 0) -> bool:
+    """What the scheduler says once the reads the request waits for are done: True
+    (schedule it) or False (it failed)."""
+    for _ in range(1000):
+        if sched.ensure_cache_available(req, num_computed_tokens):
+            return True
+        if req.request_id in sched._unavailable:
+            return False
+        time.sleep(0.01)
+    raise AssertionError("the scheduler kept the request waiting for 10 s")
 
 
-def test_a_stored_feature_is_pinned_until_the_request_finishes(spec):
+def test_a_feature_is_promised_only_once_its_bytes_are_here_and_held_until_the_request_ends(spec):
     store_feature(spec, "held")
     sched = scheduler(spec)
     req = request("r1", feature("held"))
-    assert sched.ensure_cache_available(req, 0) is True
-    assert sched.has_cache_item("held")
-    sched.update_state_after_alloc(req, 0)
-    assert sched.build_connector_meta(step()).loads == {"held": 4}
-    assert sched.build_connector_meta(step()).loads == {}  # one load per allocation
-    handled(sched.store)  # the scheduler's hold is not acknowledged
-    with open_store(spec) as store:
-        assert store.delete("held") is False  # pinned by the scheduler
-        sched.request_finished(req)
-        handled(sched.store)  # nor is its unpin
-        assert store.delete("held") is True
+    # The first pass starts the read and keeps the request waiting: nothing promised.
+    assert sched.ensure_cache_available(req, 0) is False
     assert not sched.has_cache_item("held")
+    assert decided(sched, req) is True
+    assert sched.has_cache_item("held")
+    # The store may now lose it (an eviction, a lapsed lease, a restart): the request
+    # holds its own copy.
+    with open_store(spec) as store:
+        assert store.delete("held") is True
+    sched.update_state_after_alloc(req, 0)
+    step_loads = sched.build_connector_meta(step()).loads
+    assert np.array_equal(step_loads["held"].data, np.arange(64, dtype=np.uint8))
+    assert step_loads["held"].meta.placeholder == GRID
+    assert step_loads["held"].source == "on_demand"
+    assert sched.build_connector_meta(step()).loads == {}  # one load per allocation
+    assert sched.ensure_cache_available(req, 0) is True  # decided once, not per pass
+    sched.request_finished(req)
+    assert not sched.has_cache_item("held")
+    assert sched.recorder.take()["events"]["loaded"] == 1
+    sched.shutdown()
 
 
 def test_a_missing_feature_with_the_image_is_encoded_locally(spec):
     sched = scheduler(spec)
     req = request("r2", feature("absent-with-pixels", pixels=True))
-    assert sched.ensure_cache_available(req, 0) is True
+    assert decided(sched, req) is True
     assert not sched.has_cache_item("absent-with-pixels")  # vLLM runs the encoder
     assert sched.take_unavailable_requests() == set()
     assert sched.recorder.take()["events"]["encoded_locally"] == 1
+    sched.shutdown()
 
 
 def test_a_missing_feature_without_the_image_fails_the_request_once(spec):
     store_feature(spec, "present")
     sched = scheduler(spec)
     req = request("r3", feature("present"), feature("absent", offset=20))
-    assert sched.ensure_cache_available(req, 0) is False
+    assert decided(sched, req) is False
     # Handed to vLLM to fail (before vLLM 0.32, which cannot: it waits to be aborted).
     assert sched.take_unavailable_requests() == ({"r3"} if compat.EC_FAILS_REQUESTS else set())
     assert sched.ensure_cache_available(req, 0) is False  # not scheduled meanwhile
     assert sched.take_unavailable_requests() == set()  # handed to vLLM once
-    # The pin taken on the feature that was there is given back at once.
+    # The copy held for the feature that was there is given back at once.
     assert not sched.has_cache_item("present")
     sched.request_finished(req)
     assert sched.recorder.take()["events"]["unavailable"] == 1
+    sched.shutdown()
 
 
 def test_features_whose_tokens_are_computed_need_nothing(spec):
@@ -129,6 +146,7 @@ def test_features_whose_tokens_are_computed_need_nothing(spec):
     req = request("r4", feature("absent-but-covered", offset=5))
     assert sched.ensure_cache_available(req, 100) is True
     assert sched.take_unavailable_requests() == set()
+    sched.shutdown()
 
 
 def test_a_decode_whose_kv_never_came_loads_the_features_it_skipped(spec):
@@ -140,19 +158,33 @@ def test_a_decode_whose_kv_never_came_loads_the_features_it_skipped(spec):
     assert not sched.has_cache_item("needed-later")
     # The KV failed to arrive; decode computes the prompt, image included: the feature
     # must come from the MM Store (the request carries only its reference).
-    assert sched.ensure_cache_available(req, 0) is True
+    assert decided(sched, req) is True
     assert sched.has_cache_item("needed-later")
     sched.update_state_after_alloc(req, 0)
-    assert sched.build_connector_meta(step()).loads == {"needed-later": 4}
-    assert sched.ensure_cache_available(req, 0) is True  # pinned once, not per pass
+    assert list(sched.build_connector_meta(step()).loads) == ["needed-later"]
     sched.request_finished(req)
     assert not sched.has_cache_item("needed-later")
+    sched.shutdown()
+
+
+def test_two_requests_share_one_copy_until_the_last_one_ends(spec):
+    store_feature(spec, "shared")
+    sched = scheduler(spec)
+    first, second = request("a", feature("shared")), request("b", feature("shared"))
+    assert decided(sched, first) and decided(sched, second)
+    sched.request_finished(first)
+    assert sched.has_cache_item("shared")  # the second still needs it
+    sched.request_finished(second)
+    assert not sched.has_cache_item("shared")
+    assert sched.recorder.take()["events"]["loaded"] == 1  # read once
+    sched.shutdown()
 
 
 def test_the_producer_publishes_placeholder_metadata(spec):
     sched = scheduler(spec, producer=True, consumer=False)
     req = request("r5", feature("made"))
     assert sched.ensure_cache_available(req, 0) is True
+    assert sched.store is None  # an encoder's scheduler side reads nothing
     assert sched.build_connector_meta(step()).publish == {"made": GRID}
     assert not sched.has_cache_item("made")  # an encoder always encodes
     done, params = sched.request_finished(req)
@@ -308,40 +340,49 @@ def test_staging_buffers_are_pinned_and_waited_for_without_spinning(monkeypatch)
     assert made == [{"blocking": True}]  # cudaEventBlockingSync: the thread sleeps
 
 
-def test_the_prefetcher_pulls_hinted_features_and_hands_each_over_once(spec):
+def test_the_loader_pulls_hinted_features_and_a_request_finds_them_prefetched(spec):
     store_feature(spec, "hinted")
     port = free_port_block(1, start=29100)
     with open_store(spec) as store:
-        prefetcher = Prefetcher(store, "127.0.0.1", port, budget_bytes=1 << 20)
+        loader = FeatureLoader(store, budget_bytes=1 << 20, listen=("127.0.0.1", port))
         ctx = zmq.Context()
         push = ctx.socket(zmq.PUSH)
         push.connect(f"tcp://127.0.0.1:{port}")
         try:
             push.send(b"not msgpack of a list")  # dropped, the listener keeps going
             push.send(msgspec.msgpack.encode(["hinted", "never-stored"]))
-            item = wait_for(lambda: prefetcher.claim("hinted"), what="the hint arrived")
-            assert item.done.wait(5) and item.result is not None
-            assert item.result[1].placeholder == GRID and item.ready_at >= item.hinted_at
-            assert prefetcher.claim("hinted") is None  # handed over once
-            missing = prefetcher.claim("never-stored")
-            assert missing is not None and missing.done.wait(5) and missing.result is None
-            assert prefetcher.claim("not-hinted") is None
+            wait_for(lambda: loader.has_copy("hinted"), what="the hinted feature was read")
+            item = loader.want("hinted")
+            assert item.result[1].placeholder == GRID and item.source == "prefetched"
+            assert item.overlap == 1.0  # read before any request needed it
+            missing = loader.want("never-stored")
+            assert missing.done.wait(5) and missing.result is None and missing.error is None
+            assert loader.want("never-stored") is not missing  # a miss is asked again
         finally:
             push.close()
             ctx.term()
-            prefetcher.close()
+            loader.close()
 
 
-def test_the_prefetcher_keeps_unclaimed_features_within_its_budget(spec):
+def test_the_loader_keeps_prefetched_copies_within_its_budget_and_held_ones_beyond(spec):
     with open_store(spec) as store:
         for i in range(4):
             store.put(f"big-{i}", np.zeros(300_000, np.uint8), FeatureMeta((1,), "uint8"))
-        prefetcher = Prefetcher(store, "127.0.0.1", free_port_block(1, start=29200),
-                                budget_bytes=700_000)
+        loader = FeatureLoader(store, budget_bytes=700_000)
         try:
-            prefetcher.hint([f"big-{i}" for i in range(4)])
-            held = [k for k in (f"big-{i}" for i in range(4))
-                    if (item := prefetcher.claim(k)) is not None and item.result is not None]
-            assert len(held) == 2  # the oldest were dropped to stay under 700 kB
+            held = loader.want("big-0")
+            assert held.done.wait(5)
+            loader.hold(held)
+            loader.hint([f"big-{i}" for i in range(1, 4)])
+            wait_for(lambda: all(loader._features[f"big-{i}"].done.is_set()
+                                 for i in range(1, 4) if f"big-{i}" in loader._features),
+                     what="the hinted reads ended")
+            kept = [i for i in range(4) if loader.has_copy(f"big-{i}")]
+            # The held copy stays whatever the budget; of the others, the oldest went to
+            # keep what nobody holds under 700 kB.
+            assert kept == [0, 2, 3]
+            # Released by its last request, a copy goes (vLLM's encoder cache has it).
+            loader.release(held)
+            assert [i for i in range(4) if loader.has_copy(f"big-{i}")] == [2, 3]
         finally:
-            prefetcher.close()
+            loader.close()

@@ -1,22 +1,24 @@
-"""A consumer worker that cannot load a feature it was promised stops with the reason
-instead of computing the step with a stand-in (which would answer wrong, and stay in
-vLLM's encoder cache for the next request of that image); a store that is briefly away
-is asked again. Against a real shared-memory store."""
+"""Whatever befalls the MM Store, a consumer never stops its engine and never computes
+with a stand-in: a feature is promised only once its bytes are in the instance, so a
+store that loses it later costs nothing, and one that lost it, or does not answer,
+turns into local encoding (or a failed request when there is no image to encode) before
+vLLM decides. Against a real shared-memory store."""
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 import pytest
 import torch
 
 from epd_serve.connectors import compat
-from epd_serve.connectors.epd_ec.scheduler import ECStep
 from epd_serve.connectors.epd_ec.settings import Settings
-from epd_serve.connectors.epd_ec.worker import EPDECWorker, FeatureUnavailable
+from epd_serve.connectors.epd_ec.worker import EPDECWorker
 from epd_serve.mmstore import FeatureMeta, StoreError, open_store
 
 from ...stores import started_shm_store
-from .test_epd_ec import feature, request, scheduler
+from .test_epd_ec import decided, feature, request, scheduler, step
 
 EMBEDS, HIDDEN = 4, 8
 
@@ -29,7 +31,7 @@ def spec():
 
 @pytest.fixture
 def worker(spec):
-    made = EPDECWorker(Settings(store=spec, load_timeout_s=0.5), producer=False, consumer=True)
+    made = EPDECWorker(Settings(store=spec), producer=False, consumer=True)
     yield made
     made.shutdown()
 
@@ -42,67 +44,116 @@ def put(spec, key: str, rows: int = EMBEDS) -> torch.Tensor:
     return feature
 
 
-class FlakyStore:
-    """The real store behind a connection that fails its first `failures` reads."""
+class StalledStore:
+    """The real store behind a connection whose reads fail (`fails`) or hang until
+    released (a store server gone, or one that stopped answering)."""
 
-    def __init__(self, store, failures: int):
-        self.store, self.failures = store, failures
+    def __init__(self, store, fails: bool = False):
+        self.store, self.fails = store, fails
+        self.released = threading.Event()
 
     def get(self, key):
-        if self.failures:
-            self.failures -= 1
+        if self.fails:
             raise StoreError("the MM Store did not answer in 2000 ms")
+        self.released.wait(10)
         return self.store.get(key)
 
     def close(self):
+        self.released.set()
         self.store.close()
 
 
-def test_a_stored_feature_is_loaded_into_the_encoder_cache(spec, worker):
-    feature = put(spec, "ok")
+def test_a_consumer_worker_loads_what_the_step_carries_without_the_store(spec, worker):
+    feature_ = put(spec, "ok")
+    sched = scheduler(spec)
+    req = request("r0", feature("ok"))
+    assert decided(sched, req)
+    sched.update_state_after_alloc(req, 0)
     cache: dict[str, torch.Tensor] = {}
-    worker.start_load_caches(ECStep(loads={"ok": EMBEDS}), cache)
-    assert torch.equal(cache["ok"], feature)
+    worker.start_load_caches(sched.build_connector_meta(step()), cache)
+    assert torch.equal(cache["ok"], feature_)
+    assert worker.store is None  # nothing in a step can wait on the store
+    sched.shutdown()
 
 
-def test_a_feature_the_store_lost_stops_the_engine_instead_of_serving_zeros(spec, worker):
+def test_a_feature_the_store_loses_after_the_promise_is_still_loaded(spec, worker):
+    # A request queued past the store's lease (Mooncake: 5 s), or a hot image evicted
+    # under pressure: the entry is gone by the time the step runs.
+    feature_ = put(spec, "lapsed")
+    sched = scheduler(spec)
+    req = request("r1", feature("lapsed"))
+    assert decided(sched, req)
+    with open_store(spec) as store:
+        assert store.delete("lapsed")
+    sched.update_state_after_alloc(req, 0)
     cache: dict[str, torch.Tensor] = {}
-    with pytest.raises(FeatureUnavailable, match="no longer holds"):
-        worker.start_load_caches(ECStep(loads={"never-stored": EMBEDS}), cache)
-    assert "never-stored" not in cache  # nothing stands in for it
+    worker.start_load_caches(sched.build_connector_meta(step()), cache)
+    assert torch.equal(cache["lapsed"], feature_)
+    sched.shutdown()
 
 
-def test_a_store_away_for_a_moment_is_asked_again(spec, worker):
-    feature = put(spec, "flaky")
-    worker.store = FlakyStore(worker.store, failures=2)
-    cache: dict[str, torch.Tensor] = {}
-    worker.start_load_caches(ECStep(loads={"flaky": EMBEDS}), cache)
-    assert torch.equal(cache["flaky"], feature)
+def test_a_store_that_fails_reads_turns_into_local_encoding(spec):
+    put(spec, "unreadable")
+    sched = scheduler(spec)
+    sched.loader.store = StalledStore(sched.loader.store, fails=True)
+    with_pixels = request("r2", feature("unreadable", pixels=True))
+    assert decided(sched, with_pixels) is True
+    assert not sched.has_cache_item("unreadable")  # the engine encodes it itself
+    assert sched.recorder.take()["events"]["encoded_locally"] == 1
+    reference_only = request("r3", feature("unreadable"))
+    assert decided(sched, reference_only) is False
+    assert sched.take_unavailable_requests() == ({"r3"} if compat.EC_FAILS_REQUESTS else set())
+    sched.shutdown()
 
 
-def test_a_store_that_stays_away_stops_the_engine_with_the_reason(spec, worker):
-    put(spec, "away")
-    worker.store = FlakyStore(worker.store, failures=10**6)
-    cache: dict[str, torch.Tensor] = {}
-    with pytest.raises(FeatureUnavailable, match="did not answer for 0.5s"):
-        worker.start_load_caches(ECStep(loads={"away": EMBEDS}), cache)
-    assert "away" not in cache
+def test_a_store_that_stops_answering_keeps_a_request_waiting_no_longer_than_the_load_timeout(spec):
+    put(spec, "hanging")
+    sched = scheduler(spec, load_timeout_s=0.3)
+    stalled = sched.loader.store = StalledStore(sched.loader.store)
+    req = request("r4", feature("hanging", pixels=True))
+    assert sched.ensure_cache_available(req, 0) is False  # waits for the read...
+    assert decided(sched, req) is True  # ...until the timeout: then encodes it here
+    assert not sched.has_cache_item("hanging")
+    assert sched.recorder.take()["events"]["encoded_locally"] == 1
+    stalled.released.set()
+    sched.shutdown()
 
 
 def test_the_scheduler_does_not_promise_a_feature_of_the_wrong_size(spec):
     put(spec, "other-size", rows=EMBEDS - 1)  # `feature()` needs 4 embeddings
     sched = scheduler(spec)
-    with_pixels = request("r1", feature("other-size", pixels=True))
-    assert sched.ensure_cache_available(with_pixels, 0) is True
+    with_pixels = request("r5", feature("other-size", pixels=True))
+    assert decided(sched, with_pixels) is True
     assert not sched.has_cache_item("other-size")  # the engine encodes it itself
-    reference_only = request("r2", feature("other-size"))
-    assert sched.ensure_cache_available(reference_only, 0) is False
+    reference_only = request("r6", feature("other-size"))
+    assert decided(sched, reference_only) is False
     # Failed for the proxy to resend (where vLLM can fail it: compat.EC_FAILS_REQUESTS).
-    assert sched.take_unavailable_requests() == ({"r2"} if compat.EC_FAILS_REQUESTS else set())
+    assert sched.take_unavailable_requests() == ({"r6"} if compat.EC_FAILS_REQUESTS else set())
+    sched.shutdown()
 
 
-def test_a_feature_of_the_wrong_size_is_not_used(spec, worker):
-    put(spec, "short", rows=EMBEDS - 1)
-    cache: dict[str, torch.Tensor] = {}
-    with pytest.raises(FeatureUnavailable, match="needs 4 embeddings"):
-        worker.start_load_caches(ECStep(loads={"short": EMBEDS}), cache)
+class DeadStore:
+    """A store whose server is gone: every put waits out its deadline, then fails."""
+
+    def __init__(self):
+        self.puts = 0
+
+    def put(self, key, data, meta):
+        self.puts += 1
+        raise StoreError("the MM Store did not answer in 2000 ms")
+
+    def close(self):
+        pass
+
+
+def test_an_encoder_whose_store_failed_a_put_skips_puts_for_a_moment(spec):
+    encoder = EPDECWorker(Settings(store=spec), producer=True, consumer=False)
+    encoder.store.close()
+    encoder.store = dead = DeadStore()
+    cache = {key: torch.zeros(EMBEDS, HIDDEN) for key in ("a", "b", "c")}
+    for key in cache:  # three images encoded in a row while the store is down
+        encoder.save(cache, key)
+    # One put waited for the store; the others did not hold their steps.
+    assert dead.puts == 1
+    assert encoder.recorder.take()["events"]["not_saved"] == 3
+    encoder.shutdown()

@@ -9,6 +9,7 @@ import types
 
 import pytest
 
+from epd_serve.connectors.epd_kv.drain import Drainer
 from epd_serve.connectors.epd_kv.transfer import Link, TransferError, Write
 
 from .test_epd_kv_transfer import (  # noqa: F401  (make_pair is a fixture)
@@ -163,10 +164,13 @@ def link_over(engine: Engine) -> Link:
     return link
 
 
-def test_a_refused_segment_fails_the_write_once_the_accepted_ones_ended():
-    link = link_over(Engine(accepted=1, status=1))
-    with pytest.raises(TransferError, match="not accepted"):
+def test_a_refused_segment_fails_the_write_and_hands_back_the_accepted_ones():
+    link = link_over(Engine(accepted=1, status=0))  # the accepted segment keeps running
+    with pytest.raises(TransferError, match="not accepted") as refused:
         link.submit("peer", [1, 2], [3, 4], [8, 8])
+    # Raised at once, without waiting for it: the caller waits it out elsewhere.
+    assert refused.value.unfinished.ids == [7]
+    assert not link.segments_ended(refused.value.unfinished)
 
 
 def test_a_failed_write_waits_for_its_other_segments_only_so_long():
@@ -183,3 +187,15 @@ def test_a_failed_write_waits_for_its_other_segments_only_so_long():
     draining.join(BLOCKED_S)
     assert not draining.is_alive(), "draining a stuck segment never gave up"
     assert outcome and "still running" in outcome[0]
+
+
+def test_a_failed_write_whose_segments_never_end_is_let_go_after_the_drain_timeout():
+    link = link_over(Engine(accepted=1, status=0))  # the accepted segment never ends
+    drained = threading.Event()
+    drainer = Drainer(link, lambda transfer_id: drained.set(), timeout_s=0.2)
+    drainer.start()
+    try:
+        drainer.put("t1", Write([7]))
+        assert drained.wait(BLOCKED_S), "a stuck segment kept its transfer pinned for good"
+    finally:
+        drainer.close()

@@ -91,8 +91,9 @@ class Pair:
 def make_pair():
     made = []
 
-    def make(mark=None, **overrides) -> Pair:
-        """`mark`: the sender's device events (none: a CPU engine)."""
+    def make(mark=None, link=None, **overrides) -> Pair:
+        """`mark`: the sender's device events (none: a CPU engine); `link`: the sender's
+        transfer engine (a `FakeLink` unless given)."""
         # Timeouts long enough that a starved test process does not trip them; a test of
         # one timeout makes that one short.
         settings = Settings(**{"ack_timeout_s": 5.0, "heartbeat_s": 0.1, "peer_timeout_s": 5.0,
@@ -101,7 +102,7 @@ def make_pair():
         p_memory, p_layouts = cache()
         p_memory[:] = np.random.default_rng(0).integers(1, 255, p_memory.shape, dtype=np.uint8)
         d_memory, d_layouts = cache()
-        link = FakeLink()
+        link = link or FakeLink()
         port = free_port_block(1, start=32000)
         sender = Sender(link, p_layouts, BLOCK_SIZE, "p-engine", 0, settings,
                         LinkModel(1e-4, 1e9), Stats(), mark)

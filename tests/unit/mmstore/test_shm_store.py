@@ -19,6 +19,7 @@ from epd_serve.mmstore.shm_layout import PAGE, SLOT_WORDS, Directory
 from epd_serve.mmstore.shm_server import arena_path
 
 from ...ports import free_port_block
+from ...waiting import wait_for
 
 META = FeatureMeta((4, 8), "bfloat16", {"image_grid_thw": [1, 4, 4]})
 
@@ -209,6 +210,56 @@ def test_a_client_follows_the_store_server_through_a_restart():
     finally:
         server.terminate()
         server.wait(timeout=10)
+
+
+@pytest.mark.parametrize("stop", ["terminate", "kill"])
+def test_a_reader_maps_the_new_arena_after_the_server_restarted(stop):
+    # A reader (prefill's loader, the proxy) that only ever gets must not keep reading
+    # the old arena's directory, which no server writes to any more.
+    base = free_port_block(2, start=26800)
+    spec = StoreSpec(backend="shm", port=base, metrics_port=base + 1, capacity_bytes=1 << 20,
+                     name=f"reader-{stop}")
+    server = start_server(spec)
+    try:
+        with open_store(spec) as reader:
+            getattr(server, stop)()  # SIGTERM retires the arena; after SIGKILL the
+            server.wait(timeout=10)  # next server does
+            server = start_server(spec)
+            with open_store(spec) as writer:
+                assert writer.put("after", np.full(100, 2, np.uint8), META)
+            found = wait_for(lambda: reader.get("after"), timeout=10,
+                             what="the reader found a feature put after the restart")
+            assert (found[0] == 2).all()
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
+def test_a_client_of_a_server_that_is_gone_never_blocks_on_a_send():
+    base = free_port_block(2, start=26900)
+    spec = StoreSpec(backend="shm", port=base, metrics_port=base + 1, capacity_bytes=1 << 20,
+                     name="gone")
+    server = start_server(spec)
+    store = open_store(spec)
+    server.kill()
+    server.wait(timeout=10)
+    done = threading.Event()
+
+    def pins_and_a_put():
+        # More unanswered messages than a socket queues (1000): each must be dropped,
+        # not wait for a server that will not come back.
+        for i in range(3000):
+            store.unpin(f"k{i}")
+        with pytest.raises(StoreError, match="did not answer"):
+            store.put("late", np.full(10, 1, np.uint8), META)
+        done.set()
+
+    worker = threading.Thread(target=pins_and_a_put, daemon=True)
+    worker.start()
+    worker.join(timeout=30)
+    assert done.is_set(), "a send to a dead store server blocked"
+    assert store.dropped_messages > 0
+    store.close()
 
 
 def test_an_engine_starting_waits_for_a_store_that_answers_late():
