@@ -4,7 +4,8 @@ and turn every way a transfer can go wrong into a recompute.
 Runs in a decode engine's worker process. The model's thread calls `reserve` (before
 the step that follows the allocation) and `take_results` (after each step); the
 side-channel thread handles prefill's messages and, every tick, the checks:
-- a reservation the prefill worker does not acknowledge within `ack_timeout_s`;
+- a reservation the prefill worker does not acknowledge within `ack_timeout_s`: decode
+  cancels it and gives it up (a reservation that arrives late must not be written);
 - a transfer that has not ended by its deadline (`Settings.receive_timeout_s`, sized
   to the bytes reserved): decode cancels it and gives it up;
 - a prefill worker that stops answering pings for `peer_timeout_s`, or answers as a new
@@ -229,8 +230,15 @@ class Receiver:
             for incoming in pending:
                 if incoming.outcome is None and not incoming.acked \
                         and now - incoming.reserved_at > self.settings.ack_timeout_s:
+                    # The reservation may only be late: a prefill that takes it after
+                    # this would write into blocks given to another request. So, as for
+                    # a deadline: cancel, and reuse the blocks once prefill says nothing
+                    # runs (Released), or once it is silent for peer_timeout_s.
                     self._conclude(incoming, "failed", f"prefill worker {incoming.address} did "
-                                   f"not acknowledge within {self.settings.ack_timeout_s:.0f}s")
+                                   f"not acknowledge within {self.settings.ack_timeout_s:g}s",
+                                   in_flight=True)
+                    self.channel.post(incoming.address,
+                                      msg.encode(msg.Cancel(incoming.plan.transfer_id)))
                 elif incoming.outcome is None and now > incoming.deadline:
                     # Its writes may be running: prefill stops them and says when they
                     # have ended (Released) before these blocks are reused.

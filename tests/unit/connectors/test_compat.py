@@ -184,7 +184,8 @@ def decode(monkeypatch):
     monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: 0)
     monkeypatch.setattr(kv_worker, "Link", RecordingLink)
     RecordingLink.registered = []
-    connector = EPDKVConnector(kv_config("kv_consumer", ack_timeout_s=0.3, heartbeat_s=0.1),
+    connector = EPDKVConnector(kv_config("kv_consumer", ack_timeout_s=0.3, heartbeat_s=0.1,
+                                         peer_timeout_s=0.6),
                                compat_role("WORKER"), SimpleNamespace(num_blocks=16))
     caches = {f"model.layers.{i}.self_attn.attn": (torch.zeros(16, 4, 2, 8),
                                                    torch.zeros(16, 4, 2, 8))

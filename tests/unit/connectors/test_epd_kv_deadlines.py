@@ -106,6 +106,31 @@ def test_a_transfer_that_never_ends_is_given_up_at_decodes_deadline(make_pair):
     wait_for(lambda: "t1" not in pair.sender._transfers, what="prefill dropping the transfer")
 
 
+def test_a_reservation_acknowledged_too_late_is_cancelled_and_never_written(make_pair):
+    # Decode gives up waiting for the acknowledgement; the reservation then reaches
+    # prefill after all. Decode's blocks go to other requests: nothing may land there.
+    pair = make_pair(ack_timeout_s=0.3, peer_timeout_s=NEVER_S, release_grace_s=NEVER_S)
+    post, late = pair.receiver.channel.post, []
+
+    def holding_reserve(peer, payload):  # a side channel backed up behind other work
+        if payload and isinstance(msg.decode_to_prefill(payload), msg.Reserve):
+            late.append((peer, payload))
+        else:
+            post(peer, payload)
+
+    pair.receiver.channel.post = holding_reserve
+    pair.receiver.reserve(recv_plan(pair))
+    got = results(pair)  # reported once prefill confirmed nothing runs (Released)
+    assert got["failed"] == {"d-req"}
+    assert "did not acknowledge" in got["reports"]["d-req"]["reason"]
+    post(*late[0])  # the reservation arrives after all...
+    prefill(pair)  # ...and prefill computes the prompt
+    wait_for(lambda: pair.sender._transfers.get("t1") is None
+             or pair.sender._transfers["t1"].outcome is not None,
+             what="prefill settling the cancelled transfer")
+    assert not pair.d_memory.any()  # decode's blocks untouched
+
+
 def test_prefill_remembers_ended_transfers_for_a_while_and_only_so_many():
     ended = EndedTransfers(ttl_s=NEVER_S, capacity=2)
     for transfer in ("t1", "t2", "t3"):
