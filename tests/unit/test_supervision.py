@@ -175,7 +175,8 @@ def test_one_child_failing_to_be_supervised_does_not_stop_the_others(launcher, t
                       "p0 exited with code 4; restarting (restart 1)"]
     assert launcher.events == events
     del broken.revive  # the disk has room again: the next check restarts it
-    assert launcher.supervise_once() == ["e0 exited with code 4; restarting (restart 1)"]
+    # (p0's new incarnation may have exited again by then: it is a crashing child too)
+    assert "e0 exited with code 4; restarting (restart 1)" in launcher.supervise_once()
 
 
 def test_supervision_goes_on_when_the_state_file_cannot_be_written(launcher, tmp_path):
