@@ -17,11 +17,35 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 from epd_serve.connectors.epd_kv.transfer import DRAIN_TIMEOUT_S, POLL_S, Link, Write
 
+T = TypeVar("T")
+
 logger = logging.getLogger("vllm.epd_serve.kv.drain")
 
+
+
+def poll_until_closed(arrivals: queue.Queue, done_with: Callable[[T], bool]) -> None:
+    """Take items from `arrivals` and look at each pending one every POLL_S with
+    `done_with` (True: drop it) until a None arrives. Blocks only while nothing is
+    pending. The completion thread and the drain thread both run on this."""
+    pending: list[T] = []
+    while True:
+        taken: list[T | None] = []
+        try:
+            taken.append(arrivals.get(block=not pending))
+            while True:
+                taken.append(arrivals.get_nowait())
+        except queue.Empty:
+            pass
+        if None in taken:
+            return
+        pending += taken
+        pending = [item for item in pending if not done_with(item)]
+        if pending:
+            time.sleep(POLL_S)
 
 @dataclasses.dataclass
 class Draining:
@@ -51,21 +75,7 @@ class Drainer:
         self._arrivals.put(Draining(transfer_id, write, time.monotonic() + self.timeout_s))
 
     def _run(self) -> None:
-        pending: list[Draining] = []
-        while True:
-            arrivals: list[Draining | None] = []
-            try:  # block only when nothing is pending
-                arrivals.append(self._arrivals.get(block=not pending))
-                while True:
-                    arrivals.append(self._arrivals.get_nowait())
-            except queue.Empty:
-                pass
-            if None in arrivals:
-                return
-            pending += arrivals
-            pending = [draining for draining in pending if not self._done_with(draining)]
-            if pending:
-                time.sleep(POLL_S)
+        poll_until_closed(self._arrivals, self._done_with)
 
     def _done_with(self, draining: Draining) -> bool:
         """Look at one failed write; True once it is done with (and reported)."""

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 from epd_serve.connectors.epd_kv import messages as msg
 from epd_serve.connectors.epd_kv.channel import Channel
-from epd_serve.connectors.epd_kv.drain import Drainer
+from epd_serve.connectors.epd_kv.drain import Drainer, poll_until_closed
 from epd_serve.connectors.epd_kv.events import Event, Marker, elapsed_s
 from epd_serve.connectors.epd_kv.grouping import (
     ComputeModel,
@@ -53,7 +53,7 @@ from epd_serve.connectors.epd_kv.layout import (
     segments,
 )
 from epd_serve.connectors.epd_kv.settings import Settings
-from epd_serve.connectors.epd_kv.transfer import POLL_S, Link, TransferError, Write
+from epd_serve.connectors.epd_kv.transfer import Link, TransferError, Write
 
 if TYPE_CHECKING:  # vLLM classes; this module itself stays importable without vLLM
     from epd_serve.connectors.epd_kv.metadata import StepPlan
@@ -489,21 +489,7 @@ class Sender:
 
     # -- the completion thread ----------------------------------------------
     def _complete_loop(self) -> None:
-        pending: list[InFlight] = []
-        while True:
-            arrivals: list[InFlight | None] = []
-            try:  # block only when nothing is in flight
-                arrivals.append(self._writes.get(block=not pending))
-                while True:
-                    arrivals.append(self._writes.get_nowait())
-            except queue.Empty:
-                pass
-            if None in arrivals:
-                return
-            pending += arrivals
-            pending = [flight for flight in pending if not self._landed(flight)]
-            if pending:
-                time.sleep(POLL_S)
+        poll_until_closed(self._writes, self._landed)
 
     def _landed(self, flight: InFlight) -> bool:
         """Look at one write in flight; True once it has ended (landed or failed)."""
