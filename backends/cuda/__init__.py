@@ -1,4 +1,5 @@
-"""CUDA backend: vLLM + flashinfer instances on NVIDIA GPUs (H800 class)."""
+"""CUDA backend: vLLM instances on NVIDIA GPUs (H800 class); vLLM picks the attention
+backend unless the deployment file names one."""
 
 from epd_serve.backends.cuda.platform import PLATFORM, CudaPlatform
 

@@ -6,7 +6,10 @@ loopback-only network namespace can be made and whether we run in one; and, give
 deployment file, what that deployment needs from the machine: the installed engine
 stack against the pins, the engine's packages, the host libraries its transfer engine
 links, the model, the ports, /dev/shm for the MM Store and free memory for the
-instances. Each check is a pure function of the facts it is handed and gives one row:
+instances. On a GPU node (and for a CUDA deployment) also the RDMA NICs, their GIDs and
+which one Mooncake takes, the lines for the deployment file, and GPUDirect
+(epd_serve/connectors/epd_kv/rdma_inventory.py and fabric.py decide; this file only
+words it). Each check is a pure function of the facts it is handed and gives one row:
 ok, warning or error, with the fix. The readers of the real facts are at the bottom.
 Never imports torch or vLLM (finding them is enough).
 """
@@ -22,6 +25,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from epd_serve.backends.cpu import amx
+from epd_serve.connectors.epd_kv import fabric, rdma_inventory
+from epd_serve.connectors.epd_kv.rdma_inventory import Device
 
 OK, WARNING, ERROR = "ok", "warning", "error"
 
@@ -172,6 +177,88 @@ def check_interfaces(interfaces: Sequence[str]) -> Row:
                "transfers) listens on every interface, whatever it is asked",
                "run deployments, tests and benchmarks under scripts/in-netns.sh, e.g. "
                "scripts/in-netns.sh .venv/bin/epd-serve up CONFIG")
+
+
+# -- RDMA (GPU nodes) ----------------------------------------------------------------
+def check_rdma_devices(devices: Sequence[Device], env: Mapping[str, str]) -> Row:
+    """Each RDMA port with its state, link layer and used GIDs, the GID Mooncake takes on
+    it by itself, and the kv_connector_config lines for this node."""
+    if not devices:
+        return Row(WARNING, "RDMA devices", "none (/sys/class/infiniband is empty): KV can "
+                                            "only go between nodes' GPUs over TCP",
+                   "install the NICs' driver and rdma-core (ibverbs-providers); in a container "
+                   "pass --device /dev/infiniband; or set protocol: tcp in kv_connector_config")
+    advice = rdma_inventory.advise(devices, env)
+    chosen = {c.device: c for c in advice.choices}
+    lines = [rdma_inventory.describe_port(d, p, chosen.get(d.name))
+             for d in devices for p in d.ports]
+    lines += [f"left out: {why}" for why in advice.left_out]
+    told = rdma_inventory.set_gid_index(env)
+    if told is not None:
+        name = fabric.GID_INDEX if fabric.GID_INDEX in env else "NCCL_IB_GID_INDEX"
+        lines.append(f"{name}={env[name]} in this environment: the engine takes GID {told} "
+                     "instead of choosing (what is shown above)")
+    lines.append(f"GID: {advice.gid_note}")
+    if not advice.device_line:
+        return Row(WARNING, "RDMA devices", "\n".join(lines),
+                   "bring a port up (ibstat), or set protocol: tcp in kv_connector_config")
+    setting = advice.device_line + (f", {advice.gid_line}" if advice.gid_line else "")
+    lines.append(f"kv_connector_config for this node: {{{setting}}} (keep only the NICs "
+                 "beside the GPUs: nvidia-smi topo -m)")
+    return Row(OK, "RDMA devices", "\n".join(lines))
+
+
+def check_gpudirect(env: Mapping[str, str], modules: set[str], driver_version: str,
+                    kernel_release: str, needed: bool) -> Row:
+    """Whether the NICs can register GPU memory: nvidia_peermem loaded, or DMA-BUF
+    (Linux >= 5.12 and NVIDIA's open kernel modules), as Mooncake is set to use."""
+    if not driver_version:
+        return Row(ERROR if needed else WARNING, "GPUDirect",
+                   "no NVIDIA driver here (/proc/driver/nvidia/version absent)",
+                   "install the NVIDIA driver (>= 580 for CUDA 13.0)")
+    peermem = [m for m in fabric.PEERMEM_MODULES if m in modules]
+    kernel_ok = fabric.kernel_version(kernel_release) >= fabric.DMABUF_KERNEL
+    open_modules = "open kernel module" in driver_version.lower()
+    how = "nvidia_peermem" if fabric.peermem_wanted(env) else \
+        f"DMA-BUF ({fabric.PEERMEM}=0)"
+    found = (f"{', '.join(peermem) + ' loaded' if peermem else 'nvidia_peermem not loaded'}; "
+             f"DMA-BUF {'possible' if kernel_ok and open_modules else 'not possible'} (Linux "
+             f"{kernel_release}, {'open' if open_modules else 'proprietary'} NVIDIA kernel "
+             f"modules); Mooncake registers GPU memory through {how}")
+    problem = fabric.gpudirect_problem(env, modules, driver_version, kernel_release)
+    if problem is None:
+        return Row(OK, "GPUDirect", found)
+    return Row(ERROR if needed else WARNING, "GPUDirect", found, problem)
+
+
+def check_rdma_settings(devices: Sequence[Device], env: Mapping[str, str], protocol: str,
+                        device_name: str, gid_index: int | None) -> Row:
+    """What the deployment's KV settings make of this node's NICs: the transport the
+    engine installs, the NICs and GID it takes, and the ones it drops."""
+    if protocol != fabric.RDMA:
+        return Row(OK, "RDMA settings", f"KV goes over {protocol} (protocol: {protocol}): "
+                                        "device_name and gid_index are not used")
+    hcas = [d.as_hca() for d in devices]
+    kept, _ = fabric.screen_hcas(hcas, device_name, env)
+    advice = rdma_inventory.advise(devices, env, device_name, gid_index)
+    own = rdma_inventory.advise(devices, env)
+    lines = ", ".join(l for l in (own.device_line, own.gid_line) if l)
+    fix = (f"set in kv_connector_config: {{{lines}}}"
+           + ("" if own.gid_line else " and no gid_index")) if own.device_line else \
+        "bring a port up (ibstat), or set protocol: tcp in kv_connector_config"
+    if fabric.installed_transport(protocol, env, kept) != fabric.RDMA:
+        return Row(ERROR, "RDMA settings", "the transfer engine would fall back to TCP: "
+                   + fabric.why_not_rdma(env, hcas, device_name, advice.left_out), fix)
+    used = [c for c in advice.choices if c.usable]
+    took = ", ".join(f"{c.device} GID {c.gid.index} {c.gid.text()} ({c.how})" for c in used)
+    dropped = "; ".join(advice.left_out)
+    if not used:
+        return Row(ERROR, "RDMA settings", f"Mooncake would drop every NIC: {dropped}", fix)
+    found = f"device_name {device_name or '(every NIC)'!r}, gid_index {gid_index}: Mooncake " \
+            f"takes {took}" + (f"; drops {dropped}" if dropped else "")
+    if dropped or advice.astray:
+        return Row(WARNING, "RDMA settings", "; ".join([found, *advice.astray]), fix)
+    return Row(OK, "RDMA settings", found)
 
 
 # -- deployment checks -------------------------------------------------------------
@@ -516,13 +603,48 @@ def deployment_rows(dep, config: str) -> list[Row]:
         needs.append(("proxy and store server", SERVING_PROCESSES_GIB))
     rows.append(check_memory(needs, psutil.virtual_memory().available / GIB, name, config,
                              skipped=len(dep.launches) - len(here)))
+    if name == "cuda" and (kv := kv_fabric(dep)) is not None:
+        rows.append(check_rdma_settings(rdma_inventory.read_devices(), deployment_env(dep),
+                                        *kv))
     return rows
+
+
+def deployment_env(dep) -> dict[str, str]:
+    """The environment its engines start in, as far as the transfer engine reads it."""
+    return {**os.environ, **dep.config.env}
+
+
+def kv_fabric(dep) -> tuple[str, str, int | None] | None:
+    """(protocol, device_name, gid_index) of the deployment's KV transfers on this
+    machine; None where no instance here sends or receives KV."""
+    from epd_serve.connectors.epd_kv.settings import Settings
+
+    here = [l for l in dep.launches if l.kv_role is not None and is_local_host(l.host)]
+    if not here:
+        return None
+    connector = dep.platform.kv_connector(here[0].kv_protocol)
+    extra = {**connector.extra_config, **dict(here[0].kv_config)}
+    if here[0].kv_protocol != "epd":  # vLLM's connectors: Mooncake's own choices
+        return extra.get("mooncake_protocol", fabric.TCP), "", None
+    settings = Settings.from_extra_config(extra)
+    return settings.protocol, settings.device_name, settings.gid_index
+
+
+def rdma_rows(env: Mapping[str, str], needed: bool | None) -> list[Row]:
+    """The RDMA NICs and GPUDirect; `needed`: whether KV goes over RDMA here (None: no
+    deployment says, and then only a GPU node or one with RDMA NICs gets these rows)."""
+    devices = rdma_inventory.read_devices()
+    modules, driver, kernel = fabric.read_gpudirect_facts()
+    if needed is None and not devices and not driver:
+        return []
+    return [check_rdma_devices(devices, env),
+            check_gpudirect(env, modules, driver, kernel, bool(needed))]
 
 
 def collect(config_path: str | None) -> list[Row]:
     """Every row: the machine's, then the deployment's (skipped without a file)."""
     if config_path is None:
-        return [*machine_rows(engine_on_cpu=True),
+        return [*machine_rows(engine_on_cpu=True), *rdma_rows(os.environ, None),
                 Row(WARNING, "deployment", f"no deployment file (none given, no "
                                            f"{DEFAULT_CONFIG} here): engine stack, model, "
                                            "ports, /dev/shm and memory not checked",
@@ -533,10 +655,13 @@ def collect(config_path: str | None) -> list[Row]:
     try:
         dep = deploy.load(config_path)
     except (ConfigError, ValueError, OSError) as err:
-        return [*machine_rows(engine_on_cpu=True),
+        return [*machine_rows(engine_on_cpu=True), *rdma_rows(os.environ, None),
                 Row(ERROR, "deployment", f"{config_path} cannot be loaded: {err}",
                     "fix the file (configs/ has examples); the README lists its keys")]
     rows = machine_rows(engine_on_cpu=dep.config.platform == "cpu")
+    if dep.config.platform == "cuda":
+        kv = kv_fabric(dep)
+        rows += rdma_rows(deployment_env(dep), kv is not None and kv[0] == fabric.RDMA)
     rows.append(Row(OK, "deployment", f"{config_path}: {dep.config.name}, "
                                       f"{dep.plan.to_notation()} on {dep.config.platform}"))
     return rows + deployment_rows(dep, config_path)

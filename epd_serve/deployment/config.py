@@ -147,6 +147,12 @@ class Deployment(BaseModel):
         None, description="Run across the nodes of a Ray cluster: which nodes, their "
         "addresses and devices (epd_serve/topology/placement.py); none: one host, no Ray.")
     max_model_len: int = Field(4096, description="Context length of every instance.")
+    attention_backend: str | None = Field(
+        None, description="The engine's attention backend for every instance, by the name "
+        "vLLM gives it (--attention-backend: FLASH_ATTN, FLASHINFER, TRITON_ATTN, ...); "
+        "`epd-serve check-flags` checks it against the engine's own table; default: the "
+        "platform's choice (on CUDA and CPU, vLLM's own; on Ascend, vllm-ascend's).",
+    )
     work_dir: str | None = Field(None, description="Logs, EC storage, state; default .epd/<name>.")
     engine_args: dict[str, ArgValue] = Field(
         default_factory=dict, description="Extra engine flags for every instance."
@@ -195,12 +201,30 @@ class Deployment(BaseModel):
         notation.parse(value)  # raises NotationError with the position
         return value
 
+    @field_validator("attention_backend")
+    @classmethod
+    def _backend_name(cls, value: str | None) -> str | None:
+        # vLLM upper-cases the name before looking it up (vllm/config/attention.py).
+        if value is not None and not value.replace("_", "a").isalnum():
+            raise ValueError(f"an attention backend is named by letters, digits and '_' "
+                             f"(FLASH_ATTN, FLASHINFER), not {value!r}")
+        return value.upper() if value is not None else None
+
     @field_validator("devices")
     @classmethod
     def _unique_devices(cls, value: list[int] | None) -> list[int] | None:
         if value is not None and len(set(value)) != len(value):
             raise ValueError("device ids must be unique")
         return value
+
+    @model_validator(mode="after")
+    def _one_attention_backend(self) -> Deployment:
+        flags = [self.engine_args, *self.role_engine_args.values()]
+        if self.attention_backend is not None and any(
+                key.replace("-", "_") == "attention_backend" for args in flags for key in args):
+            raise ValueError("attention_backend is given twice: as a key and in "
+                             "engine_args / role_engine_args; keep the key")
+        return self
 
     @model_validator(mode="after")
     def _one_source_of_hosts_and_devices(self) -> Deployment:

@@ -73,6 +73,7 @@ def resolve(config: Deployment, root: Path) -> ResolvedDeployment:
                 node=slots[inst.name].node,
                 memory_share=shares[inst.name],
                 max_model_len=config.max_model_len,
+                attention_backend=config.attention_backend,
                 ec_role=ec_role,
                 ec_storage_path=str(work_dir / "ec_cache"),
                 mm_store=store if ec_role is not None else None,

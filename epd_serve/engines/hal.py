@@ -45,6 +45,7 @@ class InstanceLaunch:
     devices: tuple[int, ...]  # physical device ids (after the config's device map)
     memory_share: float  # share of each device's memory this instance may use
     max_model_len: int
+    attention_backend: str | None = None  # the deployment's; None: the platform's choice
     ec_role: str | None = None  # ec_producer | ec_consumer | None
     ec_storage_path: str | None = None  # vLLM's file connector (no MM Store)
     mm_store: StoreSpec | None = None  # our EC connector over this store
@@ -130,6 +131,8 @@ class Platform(ABC):
     # Engine flag that bounds the memory an instance may take, or None where memory
     # is given through the environment instead.
     memory_flag: ClassVar[str | None]
+    # The attention backend this platform always asks for where the deployment names
+    # none; None: the engine's own choice.
     attention_backend: ClassVar[str | None]
     # KV protocol name -> the connector that speaks it on this platform (pinned to a
     # vLLM release line: connector names were renamed between releases).
@@ -227,8 +230,8 @@ class Platform(ABC):
             cmd += ["--tensor-parallel-size", str(launch.instance.tensor_parallel)]
         if self.memory_flag:
             cmd += [self.memory_flag, str(self.memory_fraction(launch))]
-        if self.attention_backend:
-            cmd += ["--attention-backend", self.attention_backend]
+        if backend := launch.attention_backend or self.attention_backend:
+            cmd += ["--attention-backend", backend]
         cmd += self.role_args(launch)
         cmd += self.platform_args(launch)
         if (ec := self.ec_transfer_config(launch)) is not None:

@@ -12,6 +12,32 @@ evicts (roughly oldest first, above `EVICTION_HIGH_WATERMARK`) and removes only
 unleased objects. There are no pins: a `lookup` protects a feature for one lease instead.
 Mooncake's transfer engine listens on all interfaces whatever host it is given; tests
 run in a network namespace.
+
+On the `ascend` protocol the client's transfer engine is Mooncake's Ascend transport,
+which takes the NPU of the thread that sets it up: `AscendDirectTransport` calls
+`aclrtGetDevice` when it installs (allocateLocalSegmentID) and on every submit
+(mooncake-transfer-engine/src/transport/ascend_transport/ascend_direct_transport/
+ascend_direct_transport.cpp, v0.3.11.post1, the NPU wheel's). A process that holds no
+NPU has none: the EC connector's scheduler side (the engine core of a prefill or decode
+instance) failed there. So before the setup a thread without a device is given the
+instance's first visible NPU (local index 0 under ASCEND_RT_VISIBLE_DEVICES), as a
+worker thread of vllm-ascend's connectors is given its own (`torch.npu.set_device`);
+one that has a device (the encoder's worker, where vLLM set it) keeps it
+(`npu_to_set`). Which device a thread has is asked of CANN itself (`aclrtGetDevice`
+through ctypes): torch_npu's `current_device()` would set device 0 as it answers.
+Each client starts a transfer engine of its own (`setup` is given none).
+
+One Mooncake transfer engine of ours per process where the transport needs it: the KV
+connector's `Link` (epd_serve/connectors/epd_kv/transfer.py) and this client both
+`claim_engine` before they start one. With vLLM's multiprocessing executor (what our
+launcher runs) they never meet: the EC connector's store client lives in the engine
+core (consumer) or in the encoder's worker (producer, which has no KV connector), the
+KV `Link` in each prefill or decode worker. They would meet in one process only under
+`--distributed-executor-backend uni`. A second engine is refused where one of them is
+Ascend's: each starts its own ADXL engine on the thread's NPU, and both count against
+HCCL's 256 registered regions per process (epd_kv/registration.py). Other transports
+may share a process (our tests, CPU deployments), though over RDMA Mooncake reads its
+global settings (MC_GID_INDEX, ...) once, with the first engine.
 """
 
 from __future__ import annotations
@@ -28,6 +54,7 @@ import numpy as np
 
 from epd_serve.mmstore.base import FeatureMeta, FeatureStore, StoreError
 from epd_serve.mmstore.spec import StoreSpec
+from epd_serve.mmstore.transfer_engines import claim_engine, release_engine
 
 # A read must finish within its lease, or eviction may hand its bytes to a new put
 # mid-transfer. 100 MB reads took 0.1 s idle, up to 1.3 s (median) with this 2-core host
@@ -78,6 +105,41 @@ def holder_command(spec: StoreSpec, client_binary: str = "mooncake_client") -> l
     ]
 
 
+def npu_to_set(protocol: str, current: int | None) -> int | None:
+    """The NPU (local index) to make the setting-up thread's own before the store's
+    setup, given the one it has (`current`, None: none); None: nothing to do."""
+    return 0 if protocol == "ascend" and current is None else None
+
+
+def current_npu() -> int | None:
+    """The NPU CANN has for this thread, or None; sets none."""
+    import ctypes
+
+    try:
+        acl = ctypes.CDLL("libascendcl.so")
+    except OSError as exc:
+        raise StoreError(f"the Mooncake Store's ascend protocol needs CANN's "
+                         f"libascendcl.so (source CANN's set_env.sh): {exc}") from exc
+    device = ctypes.c_int32(-1)
+    return device.value if acl.aclrtGetDevice(ctypes.byref(device)) == 0 else None
+
+
+def set_npu(index: int) -> None:
+    import torch
+    import torch_npu  # noqa: F401  (adds torch.npu)
+
+    torch.npu.set_device(index)
+
+
+def prepare_thread(protocol: str, current=current_npu, set_device=set_npu) -> None:
+    """Give this thread the NPU the store's transfer engine needs, if it has none."""
+    if protocol != "ascend":
+        return
+    index = npu_to_set(protocol, current())
+    if index is not None:
+        set_device(index)
+
+
 def _meta_key(key: str) -> str:
     return f"{key}/meta"
 
@@ -106,11 +168,14 @@ class MooncakeStore(FeatureStore):
         except OSError as exc:
             raise StoreError(
                 f"Mooncake master at {spec.address} is not reachable: {exc}") from exc
+        prepare_thread(spec.protocol)
+        self._claim = claim_engine("the MM Store's Mooncake client", spec.protocol)
         self._store = MooncakeDistributedStore()
         # segment_bytes=0 is accepted: a pure client that only reads and writes the pool.
         code = self._store.setup(local_host or spec.host, "P2PHANDSHAKE", segment_bytes,
                                  META_BUFFER_BYTES, spec.protocol, "", spec.address)
         if code != 0:
+            release_engine(self._claim)
             raise StoreError(f"Mooncake client setup against {spec.address} failed ({code})")
         self._lock = threading.Lock()
         self._closed = False
@@ -195,3 +260,4 @@ class MooncakeStore(FeatureStore):
             if not self._closed:
                 self._closed = True
                 self._store.close()
+                release_engine(self._claim)

@@ -45,7 +45,8 @@ def test_cuda_e_p_d_commands():
     assert e_cmd[:3] == ["vllm", "serve", "/models/m"]
     assert e_env["CUDA_VISIBLE_DEVICES"] == "4"
     assert flag(e_cmd, "--gpu-memory-utilization") == "0.9"
-    assert flag(e_cmd, "--attention-backend") == "FLASHINFER"
+    # Attention and sampling are vLLM's choice (FlashAttention on Hopper).
+    assert "--attention-backend" not in e_cmd and "VLLM_USE_FLASHINFER_SAMPLER" not in e_env
     assert "--mm-encoder-only" in e_cmd and "--kv-transfer-config" not in e_cmd
     # Our EC connector over the node's shared-memory MM Store.
     store = {"backend": "shm", "host": "127.0.0.1", "port": 8990, "metrics_port": 8991,
@@ -135,6 +136,26 @@ def test_kv_ports_go_to_instances_that_send_or_receive_kv():
     assert {p for p, user in dep.ports().items() if user.startswith("KV port")} == {9000, 9001, 9002}
     (monolithic,) = resolved("cuda", "TP2", kv_base_port=9000).launches
     assert monolithic.kv_port is None
+
+
+@pytest.mark.parametrize("platform", ["cuda", "cpu", "ascend"])
+def test_an_attention_backend_named_in_the_file_reaches_every_instance(platform):
+    inst = by_name(resolved(platform, "(E-P)-D", attention_backend="flashinfer"))
+    assert {name: flag(cmd, "--attention-backend") for name, (cmd, _, _) in inst.items()} \
+        == {"e0": "FLASHINFER", "p0": "FLASHINFER", "d0": "FLASHINFER"}
+
+
+@pytest.mark.parametrize("extra, says", [
+    ({"attention_backend": "flash-attn"}, "letters, digits and '_'"),
+    ({"attention_backend": ""}, "letters, digits and '_'"),
+    ({"attention_backend": "FLASH_ATTN", "engine_args": {"attention_backend": "FLASHINFER"}},
+     "given twice"),
+    ({"attention_backend": "FLASH_ATTN", "role_engine_args": {"D": {"attention-backend": "X"}}},
+     "given twice"),
+])
+def test_attention_backend_key_is_checked(extra, says):
+    with pytest.raises(ValidationError, match=says):
+        config.Deployment(name="t", platform="cuda", deployment="E-P-D", model="/m", **extra)
 
 
 def test_cuda_colocated_instances_share_a_device_with_split_memory():

@@ -137,14 +137,30 @@ class FeatureLoader:
         with self._lock:
             item.holders += 1
 
-    def release(self, item: Feature) -> None:
+    def release(self, item: Feature, keep: bool = False) -> None:
         """A request is done with the copy. The last one's going drops it: the engine's
         encoder cache keeps what it wants to reuse, a second copy here would only double
-        the memory."""
+        the memory. `keep`: a hold taken for one scheduling pass that no request took
+        over: the copy goes back to the unheld ones (budget, TTL) for the next pass."""
         with self._lock:
             item.holders -= 1
-            if item.holders == 0 and self._features.get(item.key) is item:
+            if item.holders == 0 and not keep and self._features.get(item.key) is item:
                 self._drop(item.key)
+
+    def copy_here(self, key: str, needed: bool = False) -> Feature | None:
+        """The finished read of `key` with the feature in hand, if there is one; starts
+        no read and never waits. `needed`: a request needs it now (for its timings)."""
+        with self._lock:
+            item = self._features.get(key)
+            if item is None or not item.done.is_set() or item.result is None:
+                return None
+            if needed and item.needed_at is None:
+                item.needed_at = time.monotonic()
+            return item
+
+    def has_copy(self, key: str) -> bool:
+        """Whether a read of `key` is done here with the feature in hand."""
+        return self.copy_here(key) is not None
 
     # -- reading ---------------------------------------------------------------------------
     def _read_loop(self) -> None:
@@ -208,12 +224,6 @@ class FeatureLoader:
 
     def _drop(self, key: str) -> None:
         self._features.pop(key, None)
-
-    def has_copy(self, key: str) -> bool:
-        """Whether a read of `key` is done here with the feature in hand."""
-        with self._lock:
-            item = self._features.get(key)
-            return item is not None and item.done.is_set() and item.result is not None
 
     def close(self) -> None:
         self._stop.set()

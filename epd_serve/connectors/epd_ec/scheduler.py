@@ -14,6 +14,14 @@ a reference, into a failed request (vLLM fails it with a retryable error) that t
 proxy sends again with the image. The copy is held until the request ends; no store
 lease or pin can lapse under a request that waits in the queue.
 
+Not every scheduler asks `ensure_cache_available`: vllm-ascend's own copy of
+`schedule()` (a prefill instance, or balance scheduling) asks only `has_cache_item`.
+On a prefill instance our KV connector asks for it instead (feature_gate.py), so the
+request waits exactly as above. Where nothing asks (balance scheduling on an instance
+with no KV connector of ours), `has_cache_item` claims a copy that is here already for
+the scheduling pass, and `update_state_after_alloc` hands it to the request; a feature
+not here by then is encoded locally (counted, logged), as no request can wait there.
+
 vLLM before 0.32 calls less of this (compat.py): no `request_finished` (holds are given
 back when the request shows up in `finished_req_ids`, which is correct on every vLLM;
 and no `ec_transfer_params`), no way to fail a request (one that carries only a
@@ -30,7 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorMetadata
 
-from epd_serve.connectors import compat
+from epd_serve.connectors import compat, feature_gate
 from epd_serve.connectors.compat import PlaceholderMetadataResolver, collect_ec_item_metadata
 from epd_serve.connectors.epd_ec.loader import Feature, FeatureLoader
 from epd_serve.connectors.epd_ec.settings import Settings
@@ -64,6 +72,7 @@ class EPDECScheduler:
     def __init__(self, vllm_config, settings: Settings, producer: bool, consumer: bool):
         self.producer = producer
         self.consumer = consumer
+        self._vllm_config = vllm_config
         self.settings = settings
         self.resolver = PlaceholderMetadataResolver(vllm_config.model_config)
         self.recorder = Recorder()
@@ -77,9 +86,14 @@ class EPDECScheduler:
             if settings.prefetch_port is not None:
                 listen = (settings.host, settings.prefetch_port)
             self.loader = FeatureLoader(self.store, settings.prefetch_budget_bytes, listen)
+            feature_gate.register(vllm_config, self.ensure_cache_available)
         # request id -> key -> the copy it holds (None: encoded here)
         self._decided: dict[str, dict[str, Feature | None]] = {}
         self._held: dict[str, Feature] = {}  # key -> a copy some request holds
+        # Copies has_cache_item promised this scheduling pass (where nothing asks
+        # ensure_cache_available), until a request takes them over or the pass ends.
+        self._claims: dict[str, Feature] = {}
+        self._asked_first = False  # something calls ensure_cache_available before scheduling
         self._unavailable: set[str] = set()  # failed, until vLLM finishes them
         self._to_fail: set[str] = set()  # failed, not yet handed to vLLM
         self._loads: dict[str, Load] = {}
@@ -93,6 +107,7 @@ class EPDECScheduler:
         decode instance that expected the prompt's KV first needs none, then all of them
         once that KV failed to arrive."""
         req_id = request.request_id
+        self._asked_first = True
         if req_id in self._unavailable:
             return False
         if self.producer and req_id not in self._decided:
@@ -192,12 +207,28 @@ class EPDECScheduler:
 
     # -- scheduling ------------------------------------------------------------------
     def has_cache_item(self, identifier: str) -> bool:
-        return self.consumer and identifier in self._held
+        if not self.consumer:
+            return False
+        if identifier in self._held or identifier in self._claims:
+            return True
+        if self._asked_first:
+            return False  # decided before scheduling: not held means encoded here
+        item = self.loader.copy_here(identifier, needed=True)
+        if item is None:
+            return False
+        self.loader.hold(item)
+        self._claims[identifier] = item
+        return True
 
     def update_state_after_alloc(self, request, index: int) -> None:
+        if not self.consumer:
+            return
         key = request.mm_features[index].identifier
+        decided = self._decided.setdefault(request.request_id, {})
+        if key not in decided and not self._asked_first:
+            self._decide_when_scheduled(request, index, decided)
         item = self._held.get(key)
-        if item is None or not self.consumer:
+        if item is None:
             return
         data, meta = item.result
         marks = {"needed": item.needed_at or item.ready_at}
@@ -206,11 +237,36 @@ class EPDECScheduler:
         trace = getattr(request, "trace_headers", None)
         self._loads[key] = Load(data, meta, item.source, marks, dict(trace) if trace else None)
 
+    def _decide_when_scheduled(self, request, index: int, decided: dict) -> None:
+        """What became of a feature under a scheduler that never asked first: loaded
+        if has_cache_item promised a copy, else vLLM runs the encoder for it."""
+        key = request.mm_features[index].identifier
+        item = self._claims.get(key) or self._held.get(key)
+        if item is None:
+            log.info("epd-ec %s was not in this instance when request %s was scheduled "
+                     "(its scheduler does not wait for features): encoding it here", key,
+                     request.request_id)
+            self.recorder.count("encoded_locally")
+            decided[key] = None
+            return
+        why = self._unusable(item, request.get_num_encoder_embeds(index))
+        if why is None:
+            self._hold(decided, key, item)
+            return
+        # vLLM has already counted it as loaded: the step cannot run for this request.
+        log.error("epd-ec %s %s: the encoder and this instance disagree on the image's "
+                  "size (are they started with the same model and processor settings?); "
+                  "request %s cannot be served here", key, why, request.request_id)
+        decided[key] = None
+
     def build_connector_meta(self, scheduler_output) -> ECStep:
         # Requests finished since the last step give their holds back here, as well as
         # in request_finished: vLLM before 0.32 never calls that for EC connectors.
         for req_id in scheduler_output.finished_req_ids:
             self._finished(req_id)
+        for item in self._claims.values():  # the pass is over: requests hold theirs
+            self.loader.release(item, keep=True)
+        self._claims.clear()
         if self._logged is not None:
             self._logged.tick()
         step = ECStep(loads=self._loads, publish=self._publish)
@@ -239,6 +295,7 @@ class EPDECScheduler:
 
     def shutdown(self) -> None:
         if self.loader is not None:
+            feature_gate.unregister(self._vllm_config, self.ensure_cache_available)
             self.loader.close()
         if self.store is not None:
             self.store.close()

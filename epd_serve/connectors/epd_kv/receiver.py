@@ -3,7 +3,8 @@ and turn every way a transfer can go wrong into a recompute.
 
 Runs in a decode engine's worker process. The model's thread calls `reserve` (before
 the step that follows the allocation) and `take_results` (after each step); the
-side-channel thread handles prefill's messages and, every tick, the checks:
+side-channel thread (which touches no device: prefill writes into decode's memory, so
+it sets none) handles prefill's messages and, every tick, the checks:
 - a reservation the prefill worker does not acknowledge within `ack_timeout_s`: decode
   cancels it and gives it up (a reservation that arrives late must not be written);
 - a transfer that has not ended by its deadline (`Settings.receive_timeout_s`, sized

@@ -20,6 +20,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from epd_serve.connectors import feature_gate
 from epd_serve.connectors.epd_kv import messages as msg
 from epd_serve.connectors.epd_kv.metadata import StepPlan, TransferReport
 from epd_serve.connectors.epd_kv.settings import Settings
@@ -36,6 +37,7 @@ REPORT_KEY = "epd_kv"
 class EPDKVScheduler:
     def __init__(self, vllm_config, settings: Settings):
         self.settings = settings
+        self.vllm_config = vllm_config
         self.block_size = vllm_config.cache_config.block_size
         role = vllm_config.kv_transfer_config.kv_role
         self.is_producer = role == "kv_producer"
@@ -53,9 +55,16 @@ class EPDKVScheduler:
         self._trace_headers: dict[str, Mapping[str, str]] = {}  # receiving, traced
 
     # -- decode ---------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self.is_producer:
+            # None keeps the request waiting while its encoder features are read: the one
+            # call every scheduler makes before it schedules encoder inputs.
+            if not feature_gate.features_ready(self.vllm_config, request, num_computed_tokens):
+                return None, False
+            return 0, False
         params = request.kv_transfer_params
-        if self.is_producer or not params or not params.get("do_remote_prefill"):
+        if not params or not params.get("do_remote_prefill"):
             return 0, False
         count = len(request.prompt_token_ids or []) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)

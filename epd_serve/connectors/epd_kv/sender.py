@@ -17,7 +17,8 @@ Runs in a prefill engine's worker process, on five threads:
 - the drain thread (drain.py) waits out the segments of failed writes that may still
   be running, so that wait holds up no other transfer's writes;
 - the side-channel thread handles decode's messages and, every tick, the timeouts:
-  a write must finish within a time sized to the bytes in flight.
+  a write must finish within a time sized to the bytes in flight (deadlines.py).
+The submit and completion threads first take the worker's device (events.py).
 Blocks stay pinned (vLLM's delayed free) until no write of the request is in flight.
 A transfer that fails before decode's reservation has come has nobody to tell yet:
 its failure is kept (on its record, then in `EndedTransfers`) and the reservation,
@@ -33,12 +34,14 @@ import queue
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from epd_serve.connectors.epd_kv import messages as msg
 from epd_serve.connectors.epd_kv.channel import Channel
+from epd_serve.connectors.epd_kv.deadlines import WriteDeadlines
 from epd_serve.connectors.epd_kv.drain import Drainer, poll_until_closed
-from epd_serve.connectors.epd_kv.events import Event, Marker, elapsed_s
+from epd_serve.connectors.epd_kv.events import Event, Marker, elapsed_s, start_thread
 from epd_serve.connectors.epd_kv.grouping import (
     ComputeModel,
     LinkEstimator,
@@ -118,6 +121,7 @@ class Outgoing:
     first_layer_at: float | None = None
     forward_end: float | None = None  # perf_counter at the end of the last chunk's pass
     forward_end_wall: float = 0.0
+    forward_end_measured: bool = False  # forward_end is the device's (its event's)
 
     @property
     def settled(self) -> bool:
@@ -133,6 +137,7 @@ class InFlight:
     last_layer: int
     submitted: float
     deadline: float
+    session: str  # decode's transfer engine
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,9 +191,12 @@ def busy_time(intervals: list[tuple[float, float]]) -> float:
 class Sender:
     def __init__(self, link: Link, layouts: list[LayerLayout], block_size: int, engine_id: str,
                  rank: int, settings: Settings, link_model: LinkModel, stats: "EPDKVStats",
-                 mark: Marker | None = None, layout_name: str = ""):
+                 mark: Marker | None = None, layout_name: str = "",
+                 on_device: Callable[[], None] | None = None):
         self.link = link
         self.mark = mark  # device events (events.marker); None on the CPU
+        self.on_device = on_device  # makes the device a thread's own (events.device_setter)
+        self.deadlines = WriteDeadlines(settings)
         self.layout_name = layout_name
         self.layouts = layouts
         self.num_layers = len(layouts)
@@ -220,7 +228,7 @@ class Sender:
         self.channel.start()
         self.drainer.start()
         for target in (self._submit_loop, self._complete_loop):
-            threading.Thread(target=target, name=f"epd-kv-{target.__name__}", daemon=True).start()
+            start_thread(target, f"epd-kv-{target.__name__}", self.on_device)
 
     def close(self) -> None:
         self._jobs.put(None)
@@ -286,8 +294,10 @@ class Sender:
                 out = self._transfers[chunk.transfer_id]
                 if chunk.is_last:
                     # On a device only the pass's queueing ended: the submit thread moves
-                    # this to when the last layer's event completes (`_timed`).
-                    out.forward_end, out.forward_end_wall = now, wall
+                    # this to when the last layer's event completes (`_timed`), unless it
+                    # has already (the device was done before this hook ran).
+                    if not out.forward_end_measured:
+                        out.forward_end, out.forward_end_wall = now, wall
                     out.all_queued = True
                     self._settle(out)
         self._chunks = []
@@ -357,7 +367,7 @@ class Sender:
                 if out.request_id != request_id:
                     continue
                 out.backlog.clear()
-                out.first_layer_at = None
+                out.first_layer_at, out.forward_end_measured = None, False
                 if out.in_flight or out.queued:
                     self._fail(out, "prefill was preempted while its writes were running")
                     self._settle(out)
@@ -408,6 +418,7 @@ class Sender:
                 out.first_layer_at = now - seconds
             if job.ends_forward:
                 out.forward_end, out.forward_end_wall = now, wall
+                out.forward_end_measured = True
 
     def _job_failed(self, job: Job, reason: str) -> None:
         """A job that will never be written: its transfer fails (decode recomputes the
@@ -450,6 +461,7 @@ class Sender:
             else:
                 logger.exception("epd-kv: submitting a write of transfer %s failed",
                                  job.transfer_id)
+            self.deadlines.failed(res.te_session)
             with self._lock:
                 self._write_failed(out, f"write of layers {job.first_layer}-{job.last_layer} "
                                         f"failed: {err}", unfinished)
@@ -480,12 +492,12 @@ class Sender:
         if fault == "fail_write":
             dsts = [_UNREGISTERED_ADDRESS] * len(dsts)
         nbytes = sum(lens)
-        timeout = self.settings.transfer_timeout_s(self.link_cost.model.transfer_s(
+        timeout = self.deadlines.timeout_s(res.te_session, self.link_cost.model.transfer_s(
             pending + nbytes))
         write = self.link.submit(res.te_session, srcs, dsts, lens)
         now = time.perf_counter()
         return InFlight(job.transfer_id, write, nbytes, job.first_layer, job.last_layer,
-                        now, now + timeout)
+                        now, now + timeout, res.te_session)
 
     # -- the completion thread ----------------------------------------------
     def _complete_loop(self) -> None:
@@ -510,6 +522,10 @@ class Sender:
             logger.exception("epd-kv: checking a write of transfer %s failed",
                              flight.transfer_id)
             error = f"{type(err).__name__}: {err}"
+        if error is None:
+            self.deadlines.landed(flight.session)
+        else:
+            self.deadlines.failed(flight.session)
         with self._lock:
             self._in_flight.pop(id(flight.write), None)
             out = self._transfers.get(flight.transfer_id)

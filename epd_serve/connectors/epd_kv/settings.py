@@ -38,6 +38,10 @@ class Settings:
     peer_timeout_s: float = 10.0  # decode: prefill silent this long is taken for dead
     transfer_timeout_floor_s: float = 1.0  # prefill: least time a write may take ...
     transfer_timeout_slack: float = 20.0  # ... else this many times its expected time
+    # prefill: added to a write's deadline until a write to that decode session has
+    # landed, for the transport's first connect (Mooncake's Ascend transport allows
+    # ASCEND_CONNECT_TIMEOUT, 10 s by default, for it: deadlines.py)
+    first_connect_timeout_s: float = 10.0
     reservation_timeout_s: float = 120.0  # prefill: unmatched transfers are dropped
     release_grace_s: float = 30.0  # decode: wait for a failed transfer's writes to end
     # decode: a reserved transfer must end (Done or Failed) within receive_timeout_base_s
@@ -71,6 +75,9 @@ class Settings:
         if settings.gid_index is not None and not 0 <= settings.gid_index <= 255:
             raise ValueError(f"gid_index must be 0-255 (see `show_gids`), "
                              f"not {settings.gid_index!r}")
+        if settings.first_connect_timeout_s < 0:
+            raise ValueError(f"first_connect_timeout_s must be 0 or more, "
+                             f"not {settings.first_connect_timeout_s!r}")
         if settings.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, not {settings.role!r}")
         if settings.group_size != "auto" and (not isinstance(settings.group_size, int)

@@ -10,7 +10,21 @@ that makes (`transport`), and refuses to fall back to TCP when RDMA was asked fo
 Every segment is its own transfer, polled without blocking: the engine's batch status
 call busy-waits on a core until the batch is done (and gives up only after its 30 s
 default timeout), which on a small host steals the very CPU the prefill computes with.
-Separate segments also travel in parallel. A write fails as soon as one segment fails
+Separate segments also travel in parallel. Mooncake's Python binding
+(mooncake-integration/transfer_engine/transfer_engine_py.cpp, read at v0.3.11.post1,
+the NPU wheel's, and on its main branch after v0.3.12.post1; the signatures match the
+0.3.13 wheel we run) does have a batched submit, `batch_transfer_async_write(target,
+buffers, peer_addrs, lengths) -> batch id` (one `submitTransfer` of every entry; on the
+Ascend transport one ADXL `TransferSync` per batch and target, where each single
+submit is one of its own). But nothing reads a batch's status without blocking:
+`get_batch_transfer_status([ids])` and the `batch_transfer_sync_*` calls spin until
+the batch ends, and `transfer_check_status(id)` looks at the batch's first task only,
+then frees the batch, which Mooncake refuses while its other tasks are unread
+(`MultiTransport::freeBatchID`: BatchBusy), so they would be lost track of and leaked.
+So segments stay one transfer each, and layout.py makes them as few as the memory
+allows: segments that continue one another on both sides are one (`merge_contiguous`).
+A non-blocking `batch_transfer_check_status(batch_id)` in the binding would let a
+layer group go as one batch. A write fails as soon as one segment fails
 or is refused, while its other segments may still be running: the error hands them
 back (`TransferError.unfinished`) for the caller to wait out (`segments_ended`) where
 that wait holds nobody up (drain.py), before the memory they read is reused.
@@ -25,6 +39,7 @@ import time
 
 from epd_serve.connectors.epd_kv import fabric
 from epd_serve.connectors.epd_kv.grouping import LinkModel
+from epd_serve.mmstore.transfer_engines import claim_engine, release_engine
 
 POLL_S = 0.0002  # between looks at pending writes while waiting for one
 # Longest wait for the segments of a failed write to end. The engine gives up on a
@@ -72,8 +87,10 @@ class Link:
             raise TransferError(f"protocol rdma, but the transfer engine would fall back "
                                 f"to TCP: {why}")
         self.devices = usable if self.transport == fabric.RDMA else []  # HCAs it uses
+        self._claim = claim_engine("the epd KV connector", self.transport)
         self.engine = TransferEngine()
         if self.engine.initialize(host, "P2PHANDSHAKE", protocol, devices) != 0:
+            release_engine(self._claim)
             raise TransferError(f"transfer engine failed to start ({self.transport} on {host})")
         self.host = host
         self.protocol = protocol

@@ -14,12 +14,14 @@ from typing import NamedTuple
 import numpy as np
 
 from epd_serve.connectors import compat
-from epd_serve.connectors.epd_kv.events import marker
-from epd_serve.connectors.epd_kv.layout import describe_layer, layer_tensors, storage_spans
+from epd_serve.connectors.epd_kv.events import device_setter, marker
+from epd_serve.connectors.epd_kv.layout import describe_layer, layer_tensors
 from epd_serve.connectors.epd_kv.metadata import StepPlan, TransferReport
 from epd_serve.connectors.epd_kv.receiver import Receiver
+from epd_serve.connectors.epd_kv.registration import MAX_ASCEND_REGIONS, kv_regions
 from epd_serve.connectors.epd_kv.sender import Sender
 from epd_serve.connectors.epd_kv.settings import Settings
+from epd_serve.connectors.epd_kv.startup import open_link
 from epd_serve.connectors.epd_kv.stats import EPDKVStats
 from epd_serve.connectors.epd_kv.transfer import Link
 
@@ -66,15 +68,16 @@ class EPDKVWorker:
         self.layer_index = {name: i for i, name in enumerate(names)}
         layouts = [describe_layer(kv_caches[name], self.num_blocks) for name in names]
         device = layer_tensors(kv_caches[names[0]])[0].device
-        link = Link(self.settings.host, self.settings.protocol, self.settings.device_name,
-                    self.settings.gid_index)
-        link.register(storage_spans(kv_caches.values()), device.type)
+        # Prefill registers its calibration buffer as well: one region less for the KV.
+        regions = kv_regions({name: kv_caches[name] for name in names}, device.type,
+                             MAX_ASCEND_REGIONS - (1 if self.is_producer else 0))
+        scratch = np.zeros(CALIBRATION_BYTES, dtype=np.uint8) if self.is_producer else None
+        self._scratch = scratch  # registered memory must outlive the engine
+        link, model = open_link(self.settings, regions, device.type,
+                                None if scratch is None else (scratch.ctypes.data, scratch.nbytes),
+                                make_link=Link)
         layout = f"{self.layout_name or 'KV'} layout, block " + "; ".join(map(str, layouts[0].forms))
         if self.is_producer:
-            scratch = np.zeros(CALIBRATION_BYTES, dtype=np.uint8)
-            link.register([(scratch.ctypes.data, scratch.nbytes)])
-            model = link.calibrate(scratch.ctypes.data, scratch.nbytes)
-            self._scratch = scratch  # registered memory must outlive the engine
             logger.info("epd-kv prefill rank %d: %d KV layers (%s), %d B per block and layer, "
                         "side channel %s:%d, transfer engine %s over %s, link calibrated at "
                         "%.3f ms per write + %.2f GB/s, mode %s", self.rank, len(layouts),
@@ -83,7 +86,7 @@ class EPDKVWorker:
                         model.overhead_s * 1e3, model.bytes_per_s / 1e9, self.settings.mode)
             self.sender = Sender(link, layouts, self.block_size, self.engine_id, self.rank,
                                  self.settings, model, self.stats, marker(device),
-                                 self.layout_name)
+                                 self.layout_name, device_setter(device))
             self.sender.start(self.port + self.rank)
         else:
             logger.info("epd-kv decode rank %d: %d KV layers (%s), transfer engine %s over %s",

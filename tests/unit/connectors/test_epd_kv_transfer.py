@@ -91,13 +91,16 @@ class Pair:
 def make_pair():
     made = []
 
-    def make(mark=None, link=None, **overrides) -> Pair:
+    def make(mark=None, link=None, on_device=None, **overrides) -> Pair:
         """`mark`: the sender's device events (none: a CPU engine); `link`: the sender's
-        transfer engine (a `FakeLink` unless given)."""
+        transfer engine (a `FakeLink` unless given); `on_device`: what makes the device
+        its threads' own."""
         # Timeouts long enough that a starved test process does not trip them; a test of
-        # one timeout makes that one short.
+        # one timeout makes that one short. No first-connect allowance (FakeLink has no
+        # connect): a write's deadline is its steady one unless a test says otherwise.
         settings = Settings(**{"ack_timeout_s": 5.0, "heartbeat_s": 0.1, "peer_timeout_s": 5.0,
-                               "transfer_timeout_floor_s": 5.0, "reservation_timeout_s": 10.0,
+                               "transfer_timeout_floor_s": 5.0, "first_connect_timeout_s": 0.0,
+                               "reservation_timeout_s": 10.0,
                                "release_grace_s": 5.0, "fault_injection": True, **overrides})
         p_memory, p_layouts = cache()
         p_memory[:] = np.random.default_rng(0).integers(1, 255, p_memory.shape, dtype=np.uint8)
@@ -105,7 +108,7 @@ def make_pair():
         link = link or FakeLink()
         port = free_port_block(1, start=32000)
         sender = Sender(link, p_layouts, BLOCK_SIZE, "p-engine", 0, settings,
-                        LinkModel(1e-4, 1e9), Stats(), mark)
+                        LinkModel(1e-4, 1e9), Stats(), mark, on_device=on_device)
         sender.start(port)
         receiver = Receiver(d_layouts, BLOCK_SIZE, "d-engine", 0, "d-session", settings, Stats())
         receiver.start()

@@ -1,0 +1,55 @@
+"""A worker's transfer engine made ready: started, KV memory registered, and (prefill)
+the link calibrated by a loopback write. Any failure there is a start-up error that
+says which step failed and which settings to check, never a fallback.
+
+Runs in an engine worker process, from `worker.py register_kv_caches`, once. On an
+H800 a misconfigured RDMA setup (wrong HCA, GID index, no GPUDirect) otherwise ends
+the prefill instance with whatever the transfer engine said, deep in vLLM's start-up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from epd_serve.connectors.epd_kv.grouping import LinkModel
+from epd_serve.connectors.epd_kv.settings import Settings
+from epd_serve.connectors.epd_kv.transfer import Link
+
+
+class StartupError(RuntimeError):
+    """The epd KV connector cannot move KV on this worker."""
+
+
+def what_to_check(settings: Settings) -> str:
+    return (f"check `protocol` ({settings.protocol!r}), `device_name` "
+            f"({settings.device_name!r}) and `gid_index` ({settings.gid_index!r}) in "
+            "kv_connector_extra_config (the deployment file's kv_connector_config), "
+            "WITH_NVIDIA_PEERMEM (GPU memory over RDMA needs the nvidia-peermem module, "
+            "or WITH_NVIDIA_PEERMEM=0 for dma-buf), and run `epd-serve doctor` on this host")
+
+
+def open_link(settings: Settings, regions: list[tuple[int, int]], device_type: str,
+              scratch: tuple[int, int] | None = None,
+              make_link: Callable[..., Link] = Link) -> tuple[Link, LinkModel | None]:
+    """Start the transfer engine and register `regions` of KV memory on `device_type`;
+    with a registered-to-be `scratch` (address, bytes), calibrate the link through it.
+    Raises `StartupError` naming the step that failed."""
+    step = f"starting the transfer engine ({settings.protocol} on {settings.host})"
+    try:
+        link = make_link(settings.host, settings.protocol, settings.device_name,
+                         settings.gid_index)
+        step = (f"registering {len(regions)} region(s) of {device_type} KV cache memory "
+                f"({sum(n for _, n in regions) / 2**30:.2f} GiB) with the {link.transport} "
+                "transfer engine")
+        link.register(regions, device_type)
+        model = None
+        if scratch is not None:
+            step = "registering the calibration buffer"
+            link.register([scratch])
+            step = (f"the loopback calibration write through {link.session_id} "
+                    f"({link.transport})")
+            model = link.calibrate(*scratch)
+    except Exception as err:
+        raise StartupError(f"epd KV connector: {step} failed: {type(err).__name__}: {err}. "
+                           f"It cannot move KV like this; {what_to_check(settings)}") from err
+    return link, model
