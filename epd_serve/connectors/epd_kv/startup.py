@@ -21,6 +21,14 @@ class StartupError(RuntimeError):
 
 
 def what_to_check(settings: Settings) -> str:
+    if settings.protocol == "ascend":
+        # The Ascend transport moves NPU memory with ADXL and reads no host-NIC setting
+        # (device_name, gid_index, WITH_NVIDIA_PEERMEM do nothing there).
+        return ("check that CANN's set_env.sh was sourced for the engine, that "
+                "/etc/hccn.conf is present (mounted into a container), that the NPUs' "
+                "RoCE addresses answer (hccn_tool -i <npu> -ip -g), and the ports "
+                "ASCEND_BASE_PORT (20000) + 100 x <NPU id> are free; "
+                "docs/atlas-800i-a2.md, section 2")
     return (f"check `protocol` ({settings.protocol!r}), `device_name` "
             f"({settings.device_name!r}) and `gid_index` ({settings.gid_index!r}) in "
             "kv_connector_extra_config (the deployment file's kv_connector_config), "

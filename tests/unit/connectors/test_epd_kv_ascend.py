@@ -324,6 +324,16 @@ def test_a_failed_start_up_says_which_step_failed_and_what_to_check(monkeypatch,
         assert what in message
 
 
+def test_a_failed_start_up_on_ascend_points_at_the_npu_setup_not_host_nics(monkeypatch):
+    monkeypatch.setattr(FakeStartLink, "fail_at", "start")
+    with pytest.raises(StartupError) as failure:
+        open_link(Settings(protocol="ascend"), [(1 << 30, 1 << 30)], "npu",
+                  make_link=FakeStartLink)
+    message = str(failure.value)
+    assert "/etc/hccn.conf" in message and "set_env.sh" in message
+    assert "gid_index" not in message and "WITH_NVIDIA_PEERMEM" not in message
+
+
 def test_a_good_start_up_registers_the_kv_then_calibrates_through_the_scratch(monkeypatch):
     monkeypatch.setattr(FakeStartLink, "fail_at", None)
     monkeypatch.setattr(FakeStartLink, "made", [])
