@@ -1,6 +1,6 @@
 """HAL implementations, one subpackage per platform, and the registry that finds them by name.
 
-Each subpackage exposes `PLATFORM`, an `epd_serve.engines.hal.Platform`. Importing one
+Each subpackage exposes `PLATFORM`, an `epd_serve.backends.hal.Platform`. Importing one
 must not import its hardware packages: those load lazily in `check_available()`.
 """
 
@@ -10,7 +10,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from epd_serve.engines.hal import Platform
+    from epd_serve.backends.hal import Platform
 
 # The one list of platforms: deployment files, profiles and the CLI derive theirs from it.
 PLATFORMS = ("cpu", "cuda", "ascend")

@@ -40,9 +40,9 @@ import httpx
 import numpy as np
 from rich.progress import Progress
 
-from epd_serve.engines.payloads import chat_body, image_data_url, make_image
+from epd_serve.instances.payloads import chat_body, image_data_url, make_image
 from epd_serve.mmstore import FeatureMeta, open_store
-from epd_serve.runtime import deploy
+from epd_serve.runtime import bringup
 
 REPO = Path(__file__).resolve().parents[1]
 HUNG_S = 30.0
@@ -96,8 +96,8 @@ def answer_of(resp: httpx.Response) -> str:
 
 def reference_answers(pool: list[dict], work: Path) -> list[str]:
     """Each request answered by one monolithic instance of the same model."""
-    dep = deploy.load(REPO / "configs" / "cpu" / "tp1.yaml", work_dir=str(work / "tp1"))
-    launcher = deploy.bring_up(dep)
+    dep = bringup.load(REPO / "configs" / "cpu" / "tp1.yaml", work_dir=str(work / "tp1"))
+    launcher = bringup.bring_up(dep)
     try:
         with httpx.Client(timeout=300) as client:
             answers = []
@@ -284,13 +284,13 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    dep = deploy.load(args.config, work_dir=str(out / "work"))
+    dep = bringup.load(args.config, work_dir=str(out / "work"))
     pool = request_pool(dep.launches[0].served_model_name, args.pool, args.max_tokens)
     print(f"reference answers of {len(pool)} requests from one monolithic instance ...",
           file=sys.stderr)
     answers = reference_answers(pool, out)
 
-    launcher = deploy.bring_up(dep)
+    launcher = bringup.bring_up(dep)
     stop = threading.Event()
     supervisor = threading.Thread(target=supervise, args=(launcher, stop), daemon=True)
     supervisor.start()

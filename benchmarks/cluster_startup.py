@@ -19,17 +19,17 @@ import time
 
 import httpx
 
-from epd_serve.runtime import deploy
-from epd_serve.engines.payloads import chat_body, image_data_url, make_image
+from epd_serve.runtime import bringup
+from epd_serve.instances.payloads import chat_body, image_data_url, make_image
 from epd_serve.runtime.progress import warm_up
 
 CONFIGS = {"one host": "configs/cpu/e-p-d.yaml", "three Ray nodes": "configs/cpu/ray-e-p-d.yaml"}
 
 
 def one_run(path: str, seed: int) -> dict[str, float]:
-    dep = deploy.load(path)
-    deploy.ensure_model(dep)
-    launcher = deploy.launcher_for(dep)
+    dep = bringup.load(path)
+    bringup.ensure_model(dep)
+    launcher = bringup.launcher_for(dep)
     start = time.monotonic()
     try:
         launcher.start()  # Ray: the local cluster, placement groups and actors

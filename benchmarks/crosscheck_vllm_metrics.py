@@ -15,10 +15,10 @@ import argparse
 import httpx
 import numpy as np
 
-from epd_serve.runtime import deploy
-from epd_serve.bench.metrics import SLO
+from epd_serve.runtime import bringup
+from epd_serve.bench.timings import SLO
 from epd_serve.bench.runner import Bodies, LoadSpec, run_once
-from epd_serve.engines.instance_metrics import parse_prometheus
+from epd_serve.instances.counters import parse_prometheus
 
 PAIRS = [  # (our number, vLLM histogram)
     ("TTFT", "vllm:time_to_first_token_seconds"),
@@ -45,10 +45,10 @@ def main() -> None:
                         help="load the engine itself instead of the proxy in front of it")
     args = parser.parse_args()
 
-    dep = deploy.load(args.config)
+    dep = bringup.load(args.config)
     cfg = dep.config
     engine = dep.launches[-1]  # the instance that produces the tokens
-    launcher = deploy.bring_up(dep)
+    launcher = bringup.bring_up(dep)
     try:
         spec = LoadSpec(url=engine.url if args.direct else dep.proxy_url, model=engine.served_model_name,
                         workload=args.workload, num_requests=args.num_requests,

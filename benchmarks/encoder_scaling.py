@@ -18,8 +18,8 @@ import time
 import httpx
 from proxy_real import pin_encoders  # benchmarks/ is on the path when run as a script
 
-from epd_serve.runtime import deploy
-from epd_serve.engines.payloads import image_data_url, make_image
+from epd_serve.runtime import bringup
+from epd_serve.instances.payloads import image_data_url, make_image
 from epd_serve.proxy.tenancy import image_key
 
 SIDE = 672
@@ -27,8 +27,8 @@ ROUNDS = 5
 
 
 def main() -> None:
-    dep = deploy.load("configs/cpu/2e-pd.yaml")
-    launcher = deploy.bring_up(dep, warmup=False)
+    dep = bringup.load("configs/cpu/2e-pd.yaml")
+    launcher = bringup.bring_up(dep, warmup=False)
     model = dep.launches[0].served_model_name
     urls = {launch.name: launch.url for launch in dep.launches}
     seeds = iter(range(700_000, 800_000))

@@ -26,8 +26,8 @@ from pathlib import Path
 import httpx
 from rich.progress import Progress
 
-from epd_serve.runtime import deploy
-from epd_serve.engines.payloads import chat_body, image_data_url, make_image
+from epd_serve.runtime import bringup
+from epd_serve.instances.payloads import chat_body, image_data_url, make_image
 
 REPO = Path(__file__).resolve().parents[1]
 TIMING_RE = re.compile(r"epd-kv-timing role=decode request=(\S+) recv_start=([\d.]+) "
@@ -115,9 +115,9 @@ def main() -> int:
         return 0 if summarise(Path(args.summarise).stem, json.loads(Path(args.summarise).read_text()),
                               out) else 1
 
-    dep = deploy.load(REPO / "configs/cpu/e-p-d.yaml", kv_connector=args.kv_connector,
+    dep = bringup.load(REPO / "configs/cpu/e-p-d.yaml", kv_connector=args.kv_connector,
                       work_dir=str(REPO / ".epd" / f"kv-soak-{args.kv_connector}"))
-    launcher = deploy.bring_up(dep)
+    launcher = bringup.bring_up(dep)
     try:
         results = asyncio.run(soak(dep, args.requests, args.rate, args.max_tokens))
         time.sleep(1.0)

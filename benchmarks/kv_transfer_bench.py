@@ -40,8 +40,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from epd_serve.runtime import deploy
-from epd_serve.engines.tinymodel import Shape, build_tiny_model, is_model_dir
+from epd_serve.runtime import bringup
+from epd_serve.models.tinymodel import Shape, build_tiny_model, is_model_dir
 
 REPO = Path(__file__).resolve().parents[1]
 MODES = ("whole", "layer", "group")
@@ -116,8 +116,8 @@ def send(client: httpx.Client, dep, length: int, seed: int, mode: str | None) ->
 
 def run_ours(args, console: Console) -> dict:
     rows: dict[tuple[str, int], list[dict]] = {}
-    dep = deploy.load(REPO / "configs/cpu/p-d.yaml", **common_overrides(args, "epd"))
-    launcher = deploy.bring_up(dep)
+    dep = bringup.load(REPO / "configs/cpu/p-d.yaml", **common_overrides(args, "epd"))
+    launcher = bringup.bring_up(dep)
     try:
         with httpx.Client(timeout=600) as client:
             seed = 1000
@@ -141,8 +141,8 @@ def run_ours(args, console: Console) -> dict:
 
 def run_vllm(args, console: Console) -> dict:
     rows: dict[int, list[dict]] = {}
-    dep = deploy.load(REPO / "configs/cpu/p-d.yaml", **common_overrides(args, "mooncake"))
-    launcher = deploy.bring_up(dep)
+    dep = bringup.load(REPO / "configs/cpu/p-d.yaml", **common_overrides(args, "mooncake"))
+    launcher = bringup.bring_up(dep)
     sent: dict[int, list[dict]] = {}
     try:
         with httpx.Client(timeout=600) as client:

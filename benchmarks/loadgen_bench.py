@@ -20,7 +20,7 @@ import httpx
 from aiohttp import web
 
 from epd_serve.bench.client import run, run_schedule
-from epd_serve.bench.metrics import SLO, summarize
+from epd_serve.bench.timings import SLO, summarize
 from epd_serve.bench.arrivals import fixed
 
 LAG_LIMIT_MS = 1.0

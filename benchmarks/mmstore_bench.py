@@ -39,10 +39,10 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from epd_serve.runtime import deploy  # noqa: E402
+from epd_serve.runtime import bringup  # noqa: E402
 from epd_serve.mmstore import FeatureMeta, StoreSpec, open_store  # noqa: E402
 from epd_serve.mmstore.service import StartedStore  # noqa: E402
-from epd_serve.engines.payloads import chat_body, image_data_url, make_image  # noqa: E402
+from epd_serve.instances.payloads import chat_body, image_data_url, make_image  # noqa: E402
 from epd_serve.proxy.tenancy import image_key  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -203,13 +203,13 @@ def overlap_on_deployment(sizes: list[str], repeats: int, work: Path) -> dict[st
     # 16206 (4096x3112), as in Table 3.
     engine_args = {"limit_mm_per_prompt": '{"image":1,"video":0}',
                    "mm_processor_kwargs": '{"max_pixels": 12845056}'}
-    dep = deploy.load(REPO / "configs/cpu/e-p-d.yaml", work_dir=str(work / "e-p-d"),
+    dep = bringup.load(REPO / "configs/cpu/e-p-d.yaml", work_dir=str(work / "e-p-d"),
                       engine_args=engine_args,
                       max_model_len=20480, proxy_port=18300, base_port=18310,
                       kv_base_port=18330,
                       mm_store={"port": 18340, "metrics_port": 18341,
                                 "prefetch_base_port": 18342})
-    launcher = deploy.bring_up(dep)
+    launcher = bringup.bring_up(dep)
     p = next(l.name for l in dep.launches if l.instance.roles == "P")
     model = dep.launches[0].served_model_name
     rows: dict[str, list[dict]] = {}

@@ -76,7 +76,7 @@ from rich.table import Table
 from epd_serve.bench.arrivals import poisson
 from epd_serve.bench.client import SPIN_WINDOW_S
 from epd_serve.bench.client import run as run_loop
-from epd_serve.engines.payloads import chat_body, image_data_url, make_image
+from epd_serve.instances.payloads import chat_body, image_data_url, make_image
 
 REPO = Path(__file__).resolve().parents[1]
 OUT_DIR = REPO / "results" / "proxy"

@@ -47,13 +47,13 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from epd_serve.runtime import deploy  # noqa: E402
+from epd_serve.runtime import bringup  # noqa: E402
 from epd_serve.bench.arrivals import poisson  # noqa: E402
 from epd_serve.bench.client import run, run_schedule  # noqa: E402
-from epd_serve.bench.metrics import SLO, summarize  # noqa: E402
+from epd_serve.bench.timings import SLO, summarize  # noqa: E402
 from epd_serve.bench.stages import parse as parse_stages  # noqa: E402
 from epd_serve.runtime.plan import proxy_config  # noqa: E402
-from epd_serve.engines.payloads import chat_body, image_data_url, make_image  # noqa: E402
+from epd_serve.instances.payloads import chat_body, image_data_url, make_image  # noqa: E402
 
 OUT = Path("results/proxy")
 VARIANTS = {
@@ -241,8 +241,8 @@ def main() -> None:
     args = parser.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
 
-    dep = deploy.load(args.config)
-    launcher = deploy.bring_up(dep)
+    dep = bringup.load(args.config)
+    launcher = bringup.bring_up(dep)
     try:
         pinned = {} if args.no_pin else pin_encoders(launcher)
         print(f"encoder cores: {pinned or 'shared'}", flush=True)

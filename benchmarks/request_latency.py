@@ -27,9 +27,9 @@ from collections import defaultdict
 
 import httpx
 
-from epd_serve.deployment import config
-from epd_serve.engines.payloads import chat_body, image_data_url, make_image
-from epd_serve.runtime import deploy
+from epd_serve.deployment import schema
+from epd_serve.instances.payloads import chat_body, image_data_url, make_image
+from epd_serve.runtime import bringup
 
 STAGE_RE = re.compile(r"(\w+)=(\w+):([\d.]+)ms")
 KINDS = ("text", "image")
@@ -40,9 +40,9 @@ def measure(path: str, overrides: dict, requests: int, max_tokens: int, seed: in
             ) -> tuple[str, dict[str, dict[str, list[float]]]]:
     """Bring up one deployment, time `requests` requests of each kind one at a time,
     stop it. Returns its notation and, per kind, the samples of each part in ms."""
-    dep = deploy.load(path, **overrides)
+    dep = bringup.load(path, **overrides)
     start = time.monotonic()
-    launcher = deploy.bring_up(dep)  # as `epd-serve up`: healthy, then one warm-up of each kind
+    launcher = bringup.bring_up(dep)  # as `epd-serve up`: healthy, then one warm-up of each kind
     print(f"{dep.config.name} ({dep.plan.to_notation()}): up after "
           f"{time.monotonic() - start:.0f}s", file=sys.stderr)
     model = dep.launches[0].served_model_name
@@ -91,7 +91,7 @@ def main() -> None:
     if args.kv_connector:
         overrides["kv_connector"] = args.kv_connector
     if args.mm_store:
-        store = config.load(args.configs[0])[0].mm_store.model_dump()
+        store = schema.load(args.configs[0])[0].mm_store.model_dump()
         overrides["mm_store"] = {**store, "backend": args.mm_store}
 
     # medians[deployment][kind] -> one median per round

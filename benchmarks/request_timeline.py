@@ -20,9 +20,9 @@ import httpx
 from rich.console import Console
 
 from epd_serve.backends.cpu import idle_wait
-from epd_serve.bench import timeline
-from epd_serve.engines.payloads import chat_body, image_data_url, make_image
-from epd_serve.runtime import deploy
+from epd_serve.bench import waterfall
+from epd_serve.instances.payloads import chat_body, image_data_url, make_image
+from epd_serve.runtime import bringup
 
 FIXES_OFF = {"nap": {idle_wait.ENV: ""}}  # the deployment's env, layered over the HAL's
 PAUSE_S = 3.0  # idle before each measured request: the engines' busy windows have ended
@@ -36,13 +36,13 @@ def main() -> None:
     parser.add_argument("--png", help="also draw each waterfall into this folder")
     args = parser.parse_args()
 
-    base = deploy.load(args.config)
+    base = bringup.load(args.config)
     env = dict(base.config.env)
     for fix in args.without:
         env.update(FIXES_OFF[fix])
-    dep = deploy.load(args.config, env=env) if args.without else base
+    dep = bringup.load(args.config, env=env) if args.without else base
     console = Console(width=170)
-    launcher = deploy.bring_up(dep)
+    launcher = bringup.bring_up(dep)
     model = dep.launches[0].served_model_name
     try:
         with httpx.Client(base_url=dep.proxy_url, timeout=300) as client:
@@ -57,16 +57,16 @@ def main() -> None:
                     model, "Describe what you see in detail.", images,
                     max_tokens=args.max_tokens))
                 resp.raise_for_status()
-                time.sleep(timeline.SPANS_SETTLE_S)
-                found = timeline.fetch(dep.proxy_url, resp.headers["x-epd-trace-id"])
+                time.sleep(waterfall.SPANS_SETTLE_S)
+                found = waterfall.fetch(dep.proxy_url, resp.headers["x-epd-trace-id"])
                 without = f" without {', '.join(args.without)}" if args.without else ""
                 console.rule(f"{kind} request through {dep.plan.to_notation()}{without}")
-                console.print(timeline.render(found, console.width))
+                console.print(waterfall.render(found, console.width))
                 if args.png:
                     out = Path(args.png)
                     out.mkdir(parents=True, exist_ok=True)
                     name = f"{kind}{'-without-' + '-'.join(args.without) if args.without else ''}"
-                    print(f"waterfall: {timeline.plot(found, out / f'{name}.png')}")
+                    print(f"waterfall: {waterfall.plot(found, out / f'{name}.png')}")
     finally:
         launcher.stop()
 

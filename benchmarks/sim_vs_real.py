@@ -20,9 +20,9 @@ import numpy as np
 
 from rich.console import Console
 
-from epd_serve.runtime import deploy
+from epd_serve.runtime import bringup
 from epd_serve.bench import arrivals, runner
-from epd_serve.bench.metrics import SLO, summarize
+from epd_serve.bench.timings import SLO, summarize
 from epd_serve.bench.report import write_report
 from epd_serve.planner import profile as profiles, simulator
 METRICS = (("ttft_ms", "median"), ("ttft_ms", "avg"), ("tpot_ms", "median"), ("tpot_ms", "avg"))
@@ -45,9 +45,9 @@ def main() -> None:
     slo = SLO(ttft_ms=2000, tpot_ms=200)
     rows, real_runs, sim_runs = [], [], []
     for path in args.configs:
-        dep = deploy.load(path)
+        dep = bringup.load(path)
         label = dep.plan.to_notation()
-        launcher = deploy.bring_up(dep)
+        launcher = bringup.bring_up(dep)
         try:
             for i, rate in enumerate(rates):
                 real_records, sim_records = [], []

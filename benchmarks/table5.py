@@ -16,7 +16,7 @@ import itertools
 
 from epd_serve.topology import notation
 from epd_serve.bench import arrivals, workloads
-from epd_serve.bench.metrics import SLO
+from epd_serve.bench.timings import SLO
 from epd_serve.planner import profile as profiles, simulator
 
 # Table 5: deployment (ours), paper's name, NPUs, TTFT ms, TPOT ms, SLO attainment,

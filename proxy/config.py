@@ -14,6 +14,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from epd_serve.protocols.registry import ProtocolName
 from epd_serve.proxy.guards import Limits
 from epd_serve.proxy.scores import PRESETS, resolve
 
@@ -168,8 +169,9 @@ class ProxyConfig(ProxySettings):
     model: str = Field(description="Served model name, answered on /v1/models.")
     host: str = "127.0.0.1"
     port: int = 8000
-    kv_protocol: str = Field("epd", description="KV hand-off between prefill and decode: "
-                             "epd | mooncake | ascend-layerwise (proxy/handoff/).")
+    kv_protocol: ProtocolName = Field("epd", description="KV hand-off between prefill and "
+                                      "decode: a protocol of protocols/registry.py (epd | "
+                                      "mooncake | ascend-layerwise).")
     mm_store: str | None = Field(None, description="The MM Store's StoreSpec as JSON; None: "
                                  "features go through vLLM's file connector.")
     feature_refs: FeatureRefs = Field(

@@ -15,8 +15,8 @@ import asyncio
 import time
 from collections import defaultdict
 
-from epd_serve.proxy.errors import ProxyError
-from epd_serve.proxy.features import Images
+from epd_serve.proxy.errors import HandoffError, ProxyError
+from epd_serve.proxy.features import Images, read_encoder_params
 from epd_serve.proxy.routing import Router, RouteRequest
 from epd_serve.proxy.state import InstanceState
 from epd_serve.proxy.trip import StageRecord, Trip
@@ -76,8 +76,9 @@ class Encoder:
                 raise error  # cancelled: the client left
         if failed:
             first = failed[0]
-            if isinstance(first, ProxyError) and first.status < 500:
-                raise first
+            if isinstance(first, HandoffError) or (isinstance(first, ProxyError)
+                                                   and first.status < 500):
+                raise first  # not a failed encoder; standing in would hide the mismatch
             raise NoEncoder(502, f"{len(failed)} of {len(batches)} image batches could not be "
                             f"encoded: {first}", "upstream_error", reason="encode_failed")
         served = sorted({name for name in results})
@@ -95,7 +96,9 @@ class Encoder:
             if err.status < 500:
                 raise
             raise NoEncoder(502, str(err), "upstream_error", reason="encode_failed") from None
-        return encoded.get("ec_transfer_params")
+        published = encoded.get("ec_transfer_params")
+        read_encoder_params(published)  # a malformed one fails here, naming the field
+        return published
 
     async def _batch(self, path: str, images: Images, order: list[InstanceState],
                      items: list[int], cost: float, trip: Trip) -> str:

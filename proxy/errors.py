@@ -25,3 +25,20 @@ class ProxyError(Exception):
 def bad_request(message: str, reason: str = "bad_request", status: int = 400) -> ProxyError:
     """The client's request cannot be served as sent (4xx, never retried)."""
     return ProxyError(status, message, "invalid_request_error", reason=reason)
+
+
+class HandoffError(ProxyError):
+    """Hand-off parameters that did not pass a boundary: an engine sent the proxy some
+    that do not match their struct (a transfer report, an encoder's published params, a
+    metaserver report), or refused those the proxy sent it. The deployment's fault,
+    never the client's: a 502 whose message names the field (protocols/params.py's
+    ParamsError), never taken for a failed instance and tried again elsewhere (the next
+    would fail the same way) nor stood in for."""
+
+    def __init__(self, message: str):
+        super().__init__(502, message, "upstream_error", reason="malformed_handoff")
+
+
+def malformed_params(err: ValueError, sender: str) -> HandoffError:
+    """`sender`'s parameters did not match their struct (`err` names the field)."""
+    return HandoffError(f"{sender} sent malformed hand-off parameters: {err}")

@@ -23,6 +23,9 @@ import msgspec
 import zmq
 
 from epd_serve.mmstore import FeatureStore, StoreError, StoreSpec, open_store
+from epd_serve.protocols.encoder import EncoderParams
+from epd_serve.protocols.params import ParamsError, from_dict
+from epd_serve.proxy.errors import malformed_params
 from epd_serve.proxy.request import ParsedRequest, with_parts
 
 log = logging.getLogger("epd_serve.proxy.features")
@@ -35,6 +38,17 @@ REOPEN_EVERY_S = 5.0
 # Request fields an encoder needs besides the images: they change the feature (or, the
 # salt, which requests may share what the encoder caches).
 ENCODER_FIELDS = ("model", "mm_processor_kwargs", "media_io_kwargs", "cache_salt")
+
+
+def read_encoder_params(ec_transfer_params: object) -> EncoderParams | None:
+    """An encoder's `ec_transfer_params` as protocols/encoder.py types them; None where
+    it published none."""
+    if ec_transfer_params is None:
+        return None
+    try:
+        return from_dict(EncoderParams, ec_transfer_params, "ec_transfer_params")
+    except ParamsError as err:
+        raise malformed_params(err, "the encoder") from None
 
 
 class Images:
@@ -64,20 +78,23 @@ class Images:
         """Take what the encoder published for the images `indices` it was sent. Its
         entries are keyed by vLLM's feature hash, which is our key unless the request
         carries processor kwargs (vLLM then hashes them in); `item_indices` then say
-        which of the images sent it is."""
-        if not isinstance(ec_transfer_params, dict):
+        which of the images sent it is. An encoder that published nothing (no EC
+        connector) leaves the images without placeholders; one whose entries do not
+        match protocols/encoder.py fails the request (HandoffError, naming the field)."""
+        published = read_encoder_params(ec_transfer_params)
+        if published is None:
             return
+        # Passed on as published: a consumer's connector may read keys of its own
+        # beside `metadata` (protocols/encoder.py).
         self.ec_params.update(ec_transfer_params)
         sent = [self.keys[i] for i in indices]
-        for identifier, item in ec_transfer_params.items():
-            if not (isinstance(item, dict) and isinstance(item.get("metadata"), dict)):
-                continue
+        for identifier, item in published.items():
             if identifier in sent:
-                self.placeholders[identifier] = item["metadata"]
+                self.placeholders[identifier] = item.metadata
                 continue
-            for index in item.get("item_indices") or []:
-                if isinstance(index, int) and 0 <= index < len(sent):
-                    self.placeholders[sent[index]] = item["metadata"]
+            for index in item.item_indices:
+                if 0 <= index < len(sent):
+                    self.placeholders[sent[index]] = item.metadata
 
     @property
     def complete(self) -> bool:

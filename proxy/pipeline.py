@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from epd_serve.mmstore import StoreSpec
 from epd_serve.proxy.config import ProxyConfig
 from epd_serve.proxy.encoding import Encoder, NoEncoder
-from epd_serve.proxy.errors import ProxyError
+from epd_serve.proxy.errors import HandoffError, ProxyError
 from epd_serve.proxy.features import FeatureDirectory, Images
 from epd_serve.proxy.handoff import make_handoff
 from epd_serve.proxy.routing import (
@@ -56,7 +56,7 @@ class Request:
     """A request admitted, parsed and sealed (request.py): every media part keyed."""
 
     parsed: ParsedRequest
-    request_id: str  # what the engines get: unique per request (app.request_ids_for)
+    request_id: str  # what the engines get: unique per request (context.Proxy.request_ids_for)
     fault: str | None = None
     trace_id: str = ""  # W3C trace id every hop sends (timeline.py)
 
@@ -246,7 +246,8 @@ class Pipeline:
         try:
             return await run(prepared.body)
         except ProxyError as err:
-            if prepared.pixel_body is None or err.status < 500 or err.unreachable:
+            if prepared.pixel_body is None or err.status < 500 or err.unreachable \
+                    or isinstance(err, HandoffError):  # the pixels would not mend that
                 raise
             # Prefill could not get a feature it was sent a reference to (evicted or
             # lost): send the pixels so it encodes the image itself.

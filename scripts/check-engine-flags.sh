@@ -2,8 +2,9 @@
 # Checks every engine command line the shipped deployment files emit against the engine
 # each platform pins: installs the platform's stack into a scratch environment (re-used
 # until pyproject.toml or the install script change) and runs `epd-serve check-flags`
-# there, which feeds each instance's flags, KV/EC transfer configs and environment
-# through that engine's own parser, config classes and connector factories.
+# there on the platform's folder of configs/, which feeds each instance's flags, KV/EC
+# transfer configs and environment through that engine's own parser, config classes
+# and connector factories.
 #   scripts/check-engine-flags.sh [cpu] [cuda] [ascend]     (default: all three)
 # No GPU or NPU is needed. The CPU stack is the project's .venv (scripts/setup.sh).
 set -euo pipefail
@@ -12,8 +13,12 @@ scratch=${EPD_ENGINE_CHECK_DIR:-.epd/engine-check}
 platforms=("$@")
 ((${#platforms[@]})) || platforms=(cpu cuda ascend)
 
+# Where each platform's shipped deployment files are: this repository's, not the package's.
+declare -A configs=([cpu]=configs/cpu [cuda]=configs/h800 [ascend]=configs/atlas-800i-a2)
+
 status=0
 for platform in "${platforms[@]}"; do
+    [ -n "${configs[$platform]:-}" ] || { echo "unknown platform $platform" >&2; status=1; continue; }
     echo "== $platform"
     if [ "$platform" = cpu ]; then
         bash scripts/setup.sh >/dev/null
@@ -33,6 +38,6 @@ for platform in "${platforms[@]}"; do
             echo "$want" >"$stamp"
         fi
     fi
-    "$venv/bin/python" -m epd_serve.cli check-flags --platform "$platform" || status=1
+    "$venv/bin/python" -m epd_serve.cli check-flags "${configs[$platform]}" || status=1
 done
 exit $status

@@ -10,11 +10,13 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-def wait_for(condition: Callable[[], T], timeout: float = 10.0, what: str = "condition",
+def wait_for(condition: Callable[[], T], what: str = "condition", *, timeout: float = 10.0,
              interval: float = 0.01) -> T:
     """Call `condition` until it returns something truthy, and return that. Fails the
     test (AssertionError naming `what`) if it has not by `timeout` seconds; it is always
-    asked once more at the deadline, so a slow scheduler cannot make it give up early."""
+    asked once more at the deadline, so a slow scheduler cannot make it give up early.
+    The deadline only bounds a failing test: nothing is asserted about how long a
+    passing one took."""
     deadline = time.monotonic() + timeout
     while True:
         value = condition()

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import importlib
 
-from epd_serve.engines.hal import Platform
-from epd_serve.engines.kv_protocols import Connector
+from epd_serve.backends.hal import Platform
+from epd_serve.protocols.registry import Connector
 
 
 class AscendPlatform(Platform):
@@ -18,21 +18,8 @@ class AscendPlatform(Platform):
     device_visibility_env = "ASCEND_RT_VISIBLE_DEVICES"
     memory_flag = "--gpu-memory-utilization"  # vllm-ascend keeps vLLM's flag name
     attention_backend = None  # vllm-ascend registers its own NPU attention
-    # Both write P's KV into D's registered NPU memory through Mooncake's transfer engine.
-    # The NPU wheel (mooncake-transfer-engine-npu 0.3.11.post1, built USE_ASCEND_DIRECT)
-    # installs its Ascend transport whatever `protocol` says: CANN's ADXL, over HCCS
-    # inside a node and the NPUs' own RoCE NICs between nodes, so `device_name` and
-    # `gid_index` (host RDMA NICs) play no part here. `protocol: ascend` says so to our
-    # connector (fabric.installed_transport) and is what vllm-ascend passes too.
-    # - epd (default): ours, decode reserves blocks and prefill pushes layer groups as
-    #   they are computed;
-    # - ascend-layerwise: vllm-ascend's MooncakeLayerwiseConnector (registered by
-    #   vllm-ascend itself, no module path): decode posts its blocks to the proxy's
-    #   /v1/metaserver, then prefill pushes each layer.
-    kv_connectors = {
-        "epd": Connector("EPDKVConnector", "epd_serve.connectors.epd_kv", {"protocol": "ascend"}),
-        "ascend-layerwise": Connector("MooncakeLayerwiseConnector"),
-    }
+    # KV connectors (epd, the default, and vllm-ascend's ascend-layerwise): the
+    # registry's entries for "ascend" (protocols/registry.py).
     ray_resource = "NPU"
     default_kv_protocol = "epd"
     # vllm-ascend has no EC connector of its own: `mm_store: {backend: file}` selects

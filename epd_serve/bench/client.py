@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 import aiohttp
 
-from epd_serve.bench.metrics import RequestRecord
+from epd_serve.bench.timings import RequestRecord
 from epd_serve.bench.stages import HEADER as STAGES_HEADER
 
 TRACE_HEADER = "x-epd-trace-id"  # the proxy's id of the request's timeline

@@ -21,7 +21,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from epd_serve.bench import timeline  # noqa: E402
+from epd_serve.bench import waterfall  # noqa: E402
 from epd_serve.bench.stages import KV_TIMINGS, STAGES  # noqa: E402
 
 SUMMARY_COLUMNS = [
@@ -208,10 +208,10 @@ def plot_timelines(results, out_dir: Path) -> None:
     timed = _timed(results)
     if not timed:
         return
-    timeline.plot_parts([(_run_name(r), r.summary["timelines"]["median_parts"])
+    waterfall.plot_parts([(_run_name(r), r.summary["timelines"]["median_parts"])
                          for r in timed], out_dir / "parts.png")
     for i, r in enumerate(timed):
-        timeline.plot(r.summary["timelines"]["median_request"], out_dir / f"timeline_{i}.png")
+        waterfall.plot(r.summary["timelines"]["median_request"], out_dir / f"timeline_{i}.png")
 
 
 def timeline_section(results, out_dir: Path) -> str:

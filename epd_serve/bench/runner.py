@@ -12,8 +12,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from epd_serve.bench import arrivals, client, timeline, workloads
-from epd_serve.bench.metrics import SLO, RequestRecord, summarize
+from epd_serve.bench import arrivals, client, workloads
+
+from epd_serve.bench import waterfall
+from epd_serve.bench.timings import SLO, RequestRecord, summarize
 from epd_serve.bench.search import largest_passing
 
 GOODPUT_ATTAINMENT = 0.9  # goodput = highest rate with at least 90% SLO attainment
@@ -87,7 +89,7 @@ def run_once(spec: LoadSpec, rate: float | None, bodies: Bodies, label: str = ""
     summary.update({"label": label, "rate": rate, "process": spec.process,
                     "workload": spec.workload})
     # Through our proxy: where the time of the run's requests went, from their timelines.
-    summary["timelines"] = timeline.collect(spec.url, [r for r in records if r.ok])
+    summary["timelines"] = waterfall.collect(spec.url, [r for r in records if r.ok])
     console.print(_one_line(label, rate, summary))
     return RunResult(label, rate, summary, records)
 
@@ -151,9 +153,9 @@ def compare_deployments(config_paths: list[str], spec: LoadSpec, rates: list[flo
     """Bring each deployment up with the launcher, run the same workload, tear it down;
     write one report for all of them."""
     from epd_serve.bench.report import write_report
-    from epd_serve.runtime import deploy
+    from epd_serve.runtime import bringup
 
-    results, goodputs = compare_resolved([deploy.load(p) for p in config_paths], spec, rates,
+    results, goodputs = compare_resolved([bringup.load(p) for p in config_paths], spec, rates,
                                          goodput, console)
     return write_report(results, out_dir, spec, goodputs)
 
@@ -162,7 +164,7 @@ def compare_resolved(deps: list, spec: LoadSpec, rates: list[float],
                      goodput: tuple[float, float] | None = None,
                      console: Console | None = None) -> tuple[list[RunResult], dict]:
     """compare_deployments on loaded deployments: (every run, goodput per deployment)."""
-    from epd_serve.runtime import deploy
+    from epd_serve.runtime import bringup
     console = console or Console(stderr=True)
     results: list[RunResult] = []
     goodputs: dict[str, float | None] = {}
@@ -172,7 +174,7 @@ def compare_resolved(deps: list, spec: LoadSpec, rates: list[float],
             spec, url=dep.proxy_url, model=dep.launches[0].served_model_name,
             num_devices=dep.plan.num_devices)
         console.rule(label)
-        launcher = deploy.bring_up(dep)
+        launcher = bringup.bring_up(dep)
         try:
             bodies = Bodies(run_spec, console)
             results += sweep(run_spec, rates, label, console, bodies)

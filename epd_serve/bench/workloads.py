@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from epd_serve.engines.payloads import chat_body, image_data_url, make_image
+from epd_serve.instances.payloads import chat_body, image_data_url, make_image
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
 

@@ -10,7 +10,7 @@ import argparse
 from pathlib import Path
 
 from epd_serve.bench import arrivals, workloads
-from epd_serve.bench.metrics import SLO
+from epd_serve.bench.timings import SLO
 
 
 def rate_list(text: str) -> list[float]:

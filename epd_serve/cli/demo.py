@@ -18,8 +18,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from epd_serve.cli.doctor import run_doctor
-from epd_serve.engines.instance_metrics import Counters, snapshot
-from epd_serve.engines.payloads import chat_body, image_data_url, make_image
+from epd_serve.instances.counters import Counters, snapshot
+from epd_serve.instances.payloads import chat_body, image_data_url, make_image
 from epd_serve.proxy.upstream import error_message
 from epd_serve.runtime.progress import explain_failure, instance_status
 from epd_serve.runtime.supervision import log_dir
@@ -147,15 +147,15 @@ def show_requests(dep, console: Console) -> list[str]:
 
 
 def run_demo(config_path: str, load_requests: int, out_dir: str) -> int:
-    from epd_serve.runtime import deploy
+    from epd_serve.runtime import bringup
     console = Console()
     if not run_doctor(config_path, console):
         console.print("[bold red]the doctor found errors that would stop the deployment[/]; "
                       "fix them first (each line says how)")
         return 1
-    dep = deploy.load(config_path)
+    dep = bringup.load(config_path)
     started = time.monotonic()
-    launcher = deploy.bring_up(dep)
+    launcher = bringup.bring_up(dep)
     console.print(f"[bold]{dep.config.name}[/] up and warmed in {time.monotonic() - started:.1f}s")
     try:
         failures = show_requests(dep, console)

@@ -16,11 +16,11 @@ import signal
 import sys
 from pathlib import Path
 
-from epd_serve.backends import PLATFORMS
 from epd_serve.cli.bench import add_bench_parser
+from epd_serve.cli.doctor import add_doctor_parser
 from epd_serve.cli.planner import add_planner_parsers
-from epd_serve.deployment.config import ConfigError
-from epd_serve.engines.tinymodel import FAMILIES
+from epd_serve.deployment.schema import ConfigError
+from epd_serve.models.tinymodel import FAMILIES
 from epd_serve.topology import notation
 
 
@@ -47,8 +47,8 @@ def cmd_topology(args) -> int:
 
 def _deployment_topology(args) -> int:
     """A deployment file's instances: on which node, devices and address each runs."""
-    from epd_serve.runtime import deploy
-    dep = deploy.load(args.notation)
+    from epd_serve.runtime import bringup
+    dep = bringup.load(args.notation)
     rows = [{"name": l.name, "roles": l.instance.roles, "node": l.node, "address": l.host,
              "devices": list(l.devices), "url": l.url} for l in dep.launches]
     if args.json:
@@ -65,7 +65,7 @@ def _deployment_topology(args) -> int:
 
 
 def cmd_model(args) -> int:
-    from epd_serve.engines.tinymodel import Shape, build_tiny_model
+    from epd_serve.models.tinymodel import Shape, build_tiny_model
 
     shape = Shape(layers=args.layers, hidden=args.hidden, heads=args.heads,
                   kv_heads=args.kv_heads)
@@ -75,8 +75,8 @@ def cmd_model(args) -> int:
 
 
 def cmd_up(args) -> int:
-    from epd_serve.runtime import deploy
-    launcher = deploy.bring_up(deploy.load(args.config), warmup=not args.no_warmup)
+    from epd_serve.runtime import bringup
+    launcher = bringup.bring_up(bringup.load(args.config), warmup=not args.no_warmup)
 
     def _terminate(signum, frame):
         raise KeyboardInterrupt
@@ -94,10 +94,10 @@ def cmd_up(args) -> int:
 
 
 def cmd_down(args) -> int:
-    from epd_serve.runtime import deploy
+    from epd_serve.runtime import bringup
     from epd_serve.runtime.launcher import stop_from_state
 
-    dep = deploy.load(args.config)
+    dep = bringup.load(args.config)
     stopped = stop_from_state(dep.work_dir / "state.json")
     if not stopped:
         print(f"nothing running for {dep.config.name} (no {dep.work_dir / 'state.json'})")
@@ -107,10 +107,10 @@ def cmd_down(args) -> int:
 
 
 def cmd_launch(args) -> int:
-    from epd_serve.runtime import deploy
+    from epd_serve.runtime import bringup
     from epd_serve.runtime.shell import emit_shell
 
-    dep = deploy.load(args.config)
+    dep = bringup.load(args.config)
     if args.emit_shell:
         script = emit_shell(dep, str(Path(args.config).resolve()))
         if args.output:
@@ -129,7 +129,6 @@ def cmd_launch(args) -> int:
 DEFAULT_PROXY_URL = "http://127.0.0.1:8000"
 STATUS_TIMEOUT_S = 3.0  # a proxy that takes longer is as good as down to someone watching
 PIPED_WIDTH = 200
-DOCTOR_PIPED_WIDTH = 120
 
 
 class ProxyUnreachable(Exception):
@@ -162,8 +161,8 @@ def _status_target(args) -> tuple[str, str | None]:
     if args.config and args.url:
         raise ValueError("give a deployment file or --url, not both")
     if args.config:
-        from epd_serve.runtime import deploy
-        dep = deploy.load(args.config)
+        from epd_serve.runtime import bringup
+        dep = bringup.load(args.config)
         from epd_serve.proxy.tenancy import own_key
         return dep.proxy_url, own_key(dep.config.proxy.api_key_env)
     return args.url or DEFAULT_PROXY_URL, os.environ.get("EPD_API_KEY")
@@ -232,12 +231,12 @@ def cmd_trace(args) -> int:
     import httpx
     from rich.console import Console
 
-    from epd_serve.bench import timeline
+    from epd_serve.bench import waterfall
 
     url, api_key = _status_target(args)
     try:
-        found = timeline.fetch(url, args.id, api_key)
-    except timeline.TraceNotFound as err:
+        found = waterfall.fetch(url, args.id, api_key)
+    except waterfall.TraceNotFound as err:
         return _fail(str(err))
     except httpx.HTTPError as err:
         return _fail(f"cannot read the timeline from {url}: {type(err).__name__}: {err}")
@@ -245,45 +244,21 @@ def cmd_trace(args) -> int:
         print(json.dumps(found, indent=2))
         return 0
     console = Console()
-    console.print(timeline.render(found, console.width if console.is_terminal else PIPED_WIDTH))
+    console.print(waterfall.render(found, console.width if console.is_terminal else PIPED_WIDTH))
     if args.png:
-        print(f"waterfall: {timeline.plot(found, Path(args.png))}")
+        print(f"waterfall: {waterfall.plot(found, Path(args.png))}")
     return 0
 
 
 def cmd_check_flags(args) -> int:
     from epd_serve.runtime import flagcheck
-    if args.configs:
-        configs = [Path(c) for c in args.configs]
-    else:
-        try:
-            configs = flagcheck.shipped_configs(args.platform)
-        except FileNotFoundError as err:
-            return _fail(str(err))
     try:
+        configs = flagcheck.deployment_files([Path(c) for c in args.configs])
         reports = flagcheck.check(configs, python=args.python)
-    except RuntimeError as err:
+    except (FileNotFoundError, RuntimeError) as err:
         return _fail(str(err))
     print(flagcheck.to_json(reports) if args.json else flagcheck.render(reports))
     return 0 if all(r.ok for r in reports) else 1
-
-
-def cmd_doctor(args) -> int:
-    from rich.console import Console
-
-    from epd_serve.cli import doctor
-    config = args.config
-    if config is None and Path(doctor.DEFAULT_CONFIG).is_file():
-        config = doctor.DEFAULT_CONFIG
-    if args.json:
-        rows = doctor.collect(config)
-        print(doctor.to_json(rows, config))
-        return 1 if doctor.has_error(rows) else 0
-    console = Console()
-    if not console.is_terminal:
-        # Piped into a log or a note: its cells wrap, so a readable width will do.
-        console = Console(width=DOCTOR_PIPED_WIDTH)
-    return 0 if doctor.run_doctor(config, console) else 1
 
 
 def cmd_demo(args) -> int:
@@ -335,10 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("check-flags",
                        help="check every emitted engine command line with the engine's own parser")
-    p.add_argument("configs", nargs="*",
-                   help="deployment files (default: the shipped files of --platform)")
-    p.add_argument("--platform", choices=PLATFORMS, default="cpu",
-                   help="whose shipped files to check when none are named (default cpu)")
+    p.add_argument("configs", nargs="+", metavar="FILE_OR_FOLDER",
+                   help="deployment files, or folders whose *.yaml files are checked")
     p.add_argument("--python", default=sys.executable,
                    help="the Python of the engine to check against (default: this one)")
     p.add_argument("--json", action="store_true", help="machine-readable report")
@@ -363,16 +336,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the timeline's raw JSON")
     p.set_defaults(func=cmd_trace)
 
-    p = sub.add_parser("doctor", help="check this machine (and a deployment file) for what "
-                       "would stop a deployment, with the fix for each problem")
-    p.add_argument("config", nargs="?",
-                   help="deployment file (default: configs/cpu/e-p-d.yaml where it exists; "
-                   "without one only the machine is checked)")
-    p.add_argument("--json", action="store_true", help="machine-readable report")
-    p.set_defaults(func=cmd_doctor)
+    add_doctor_parser(sub)
 
     p = sub.add_parser("demo", help="bring up E-P-D on the CPU, show each stage, run a short load")
-    p.add_argument("--config", default="configs/cpu/e-p-d.yaml")
+    p.add_argument("--config", required=True,
+                   help="a CPU deployment file (scripts/demo.sh gives configs/cpu/e-p-d.yaml)")
     p.add_argument("--requests", type=int, default=24, help="requests in the short load run")
     p.add_argument("--out", default="results/demo", help="where the load report goes")
     p.set_defaults(func=cmd_demo)

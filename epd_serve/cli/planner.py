@@ -57,7 +57,9 @@ def cmd_simulate(args) -> int:
 def cmd_plan(args) -> int:
     from rich.console import Console
 
-    from epd_serve.planner import planner, report
+    from epd_serve.planner import planner
+
+    from epd_serve.planner import plan_output
     from epd_serve.planner import profile as profiles
     console = Console(stderr=True)
     prof = profiles.load(args.profile)
@@ -79,12 +81,12 @@ def cmd_plan(args) -> int:
         f"{s} {w.work[s]:.0f} tokens / {w.throughput[s]:.0f} tok/s = {w.seconds[s]:.1f} s"
         for s in "EPD" if math.isfinite(w.throughput[s])))
     # Piped to a file, rich would squeeze the table into 80 columns.
-    Console(width=None if sys.stdout.isatty() else 200).print(report.table(result))
+    Console(width=None if sys.stdout.isatty() else 200).print(plan_output.table(result))
     for cand in result.skipped:
         print(f"left out {cand.notation}: {len(cand.instances)} engine processes > "
               f"--max-instances {args.max_instances}")
-    print(report.recommendation(result))
-    out = report.write(result, Path(args.out), dataclasses.replace(spec, num_devices=args.devices))
+    print(plan_output.recommendation(result))
+    out = plan_output.write(result, Path(args.out), dataclasses.replace(spec, num_devices=args.devices))
     print(f"plot: {out / 'plan.png'}\nreport: {out}")
     if args.verify:
         from epd_serve.planner.verify import verify
@@ -96,7 +98,7 @@ def cmd_plan(args) -> int:
 
 
 def cmd_profile(args) -> int:
-    from epd_serve.bench.metrics import SLO
+    from epd_serve.bench.timings import SLO
     from epd_serve.planner import profile as profiles
     from epd_serve.planner import profiler
     slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms)
@@ -104,8 +106,8 @@ def cmd_profile(args) -> int:
     if args.url:
         prober = profiler.Prober(args.url, args.model, args.repeats)
         return _save(profiler.measure(prober, base, slo, args.max_tokens), args)
-    from epd_serve.runtime import deploy
-    dep = deploy.load(args.config)
+    from epd_serve.runtime import bringup
+    dep = bringup.load(args.config)
     target = next((l for l in dep.launches if set(l.instance.roles) == set("EPD")), None)
     split = profiler.splits_prefill_decode(dep.plan)
     if target is None and not split:
@@ -113,7 +115,7 @@ def cmd_profile(args) -> int:
                          "(profile its engine costs on e.g. configs/cpu/tp1.yaml) nor a "
                          "prefill -> decode hand-off (measure hand-offs on e.g. "
                          "configs/cpu/e-p-d.yaml with --base set to the engine profile)")
-    launcher = deploy.bring_up(dep)
+    launcher = bringup.bring_up(dep)
     try:
         if target is not None:
             prober = profiler.Prober(dep.proxy_url, target.served_model_name, args.repeats)

@@ -11,9 +11,9 @@ import os
 from pathlib import Path
 
 from epd_serve.backends import get_platform
-from epd_serve.deployment.config import ArgValue, ConfigError, Deployment
-from epd_serve.engines.hal import InstanceLaunch, Platform, ec_role_for, kv_role_for, memory_shares
-from epd_serve.engines.kv_protocols import get_protocol
+from epd_serve.deployment.schema import ArgValue, ConfigError, Deployment
+from epd_serve.backends.hal import InstanceLaunch, Platform, ec_role_for, kv_role_for, memory_shares
+from epd_serve.protocols.registry import get_protocol
 from epd_serve.mmstore.spec import StoreSpec
 from epd_serve.topology import notation
 from epd_serve.topology.placement import ClusterSpec, PlacementError, Slot, place

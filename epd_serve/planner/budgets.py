@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from epd_serve.bench.metrics import SLO
+from epd_serve.bench.timings import SLO
 from epd_serve.bench.search import largest_passing
 
 DECODING_ROLES = frozenset({"D", "PD", "ED", "EPD"})

@@ -26,7 +26,7 @@ import math
 
 import numpy as np
 
-from epd_serve.bench.metrics import SLO
+from epd_serve.bench.timings import SLO
 from epd_serve.bench.runner import GOODPUT_ATTAINMENT, RunResult
 from epd_serve.bench.search import largest_passing
 from epd_serve.bench.workloads import RequestSpec

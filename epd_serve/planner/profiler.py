@@ -30,8 +30,8 @@ from collections.abc import Callable
 import httpx
 import numpy as np
 
-from epd_serve.bench.metrics import SLO
-from epd_serve.engines.payloads import chat_body, image_data_url, make_image
+from epd_serve.bench.timings import SLO
+from epd_serve.instances.payloads import chat_body, image_data_url, make_image
 from epd_serve.planner import budgets
 from epd_serve.planner.profile import EncoderCost, LLMCost, Profile
 

@@ -37,7 +37,7 @@ import itertools
 
 import numpy as np
 
-from epd_serve.bench.metrics import SLO, RequestRecord, summarize
+from epd_serve.bench.timings import SLO, RequestRecord, summarize
 from epd_serve.bench.workloads import RequestSpec
 from epd_serve.planner.budgets import Budget, engine_flags, role_budget
 from epd_serve.planner.profile import Profile

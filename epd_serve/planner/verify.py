@@ -2,7 +2,7 @@
 from a base deployment file, run the load tool on them with the requests the planner
 simulated, and say whether the real runs rank them as the planner did.
 
-Runs in the CLI process; deployments start one at a time (deploy.bring_up).
+Runs in the CLI process; deployments start one at a time (bringup.bring_up).
 """
 
 from __future__ import annotations
@@ -19,18 +19,18 @@ from epd_serve.planner.planner import Plan, recommended_engine_args, run_key
 def verify(plan: Plan, base_config: str, spec, out_dir: Path, top: int, rate: float | None,
            console: Console) -> bool:
     from epd_serve.bench.runner import compare_resolved
-    from epd_serve.runtime import deploy
+    from epd_serve.runtime import bringup
 
     chosen = [ev for ev in plan.evaluations if ev.candidate.launchable][:top]
     if len(chosen) < 2:
         raise ValueError("verifying a ranking needs two launchable candidates")
-    base = deploy.load(base_config)
+    base = bringup.load(base_config)
     deps = []
     for rank, ev in enumerate(chosen, 1):
         args = {**base.config.role_engine_args}
         for stage, flags in recommended_engine_args(ev).items():
             args[stage] = {**args.get(stage, {}), **flags}
-        deps.append(deploy.load(base_config, deployment=ev.candidate.notation,
+        deps.append(bringup.load(base_config, deployment=ev.candidate.notation,
                                 name=f"{base.config.name}-plan{rank}", role_engine_args=args))
     real, _ = compare_resolved(deps, dataclasses.replace(spec, num_devices=plan.best.candidate.devices),
                                [rate if rate is not None else plan.rate], console=console)

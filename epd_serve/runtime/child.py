@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from epd_serve.deployment.config import Supervision
+from epd_serve.deployment.schema import Supervision
 from epd_serve.runtime.proctree import TAG_ENV, ProcessTree, kill_trees, plural
 from epd_serve.runtime.supervision import ChildLog, RestartBackoff
 

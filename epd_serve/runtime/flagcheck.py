@@ -1,14 +1,14 @@
-"""`epd-serve check-flags`: every engine command line our configs emit, checked by the
-engine that will run it.
+"""`epd-serve check-flags`: every engine command line the deployment files named emit,
+checked by the engine that will run it.
 
-Runs in the CLI. For each deployment file it takes exactly what `epd-serve up` and
-`launch --emit-shell` start (the start-up plan's command line and environment per
-instance), hands
-them to `epd_serve.engines.engine_probe` running under the engine's Python (the
-deployment's `engine_python`, else the one given: this one by default, or a scratch
-environment holding a platform's pinned stack: scripts/check-engine-flags.sh), and
-reports every flag the engine rejects by config, instance and flag, plus what the
-probe could not check and why.
+Runs in the CLI. For each deployment file named (or each *.yaml of a folder named) it
+takes exactly what `epd-serve up` and `launch --emit-shell` start (the start-up plan's
+command line and environment per instance), hands them to
+`epd_serve.runtime.engine_probe` running under the engine's Python (the deployment's
+`engine_python`, else the one given: this one by default, or a scratch environment
+holding a platform's pinned stack: scripts/check-engine-flags.sh), and reports every
+flag the engine rejects by config, instance and flag, plus what the probe could not
+check and why.
 """
 
 from __future__ import annotations
@@ -22,11 +22,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from epd_serve.runtime import deploy
+from epd_serve.runtime import bringup
 from epd_serve.runtime.plan import startup_plan
 
-# Where the shipped deployment files of each platform live, relative to the repository.
-SHIPPED_CONFIGS = {"cpu": "configs/cpu", "cuda": "configs/h800", "ascend": "configs/atlas-800i-a2"}
 PROBE_TIMEOUT_S = 600
 
 
@@ -51,21 +49,30 @@ class Report:
         return not self.rejects
 
 
-def shipped_configs(platform: str, root: Path = Path(".")) -> list[Path]:
-    folder = root / SHIPPED_CONFIGS[platform]
-    configs = sorted(folder.glob("*.yaml"))
-    if not configs:
-        raise FileNotFoundError(f"no deployment files in {folder} (run from the repository)")
-    return configs
+def deployment_files(paths: list[Path]) -> list[Path]:
+    """The deployment files named: a file itself, a folder its *.yaml files (sorted).
+    Whoever calls names them: the package knows no repository's folders."""
+    files: list[Path] = []
+    for path in paths:
+        if path.is_dir():
+            found = sorted(path.glob("*.yaml"))
+            if not found:
+                raise FileNotFoundError(f"no deployment files (*.yaml) in {path}")
+            files += found
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise FileNotFoundError(f"{path}: no such file or folder")
+    return files
 
 
 def engine_launches(config_path: Path, build_models: bool = True) -> list[dict[str, Any]]:
     """One probe entry per instance: the engine's arguments as `--model MODEL ...` (the
     program that starts the server stripped), the environment it gets, and the
     interpreter that starts it (None: the deployment names none)."""
-    dep = deploy.load(config_path)
+    dep = bringup.load(config_path)
     if build_models:
-        deploy.ensure_model(dep)  # tiny models are built offline in a second
+        bringup.ensure_model(dep)  # tiny models are built offline in a second
     platform = dep.platform
     entries = []
     # In plan order (the start order puts instances that share a device later).
@@ -87,7 +94,7 @@ def run_probe(entries: list[dict[str, Any]], python: str = sys.executable) -> di
     """Run the probe under `python`; its environment starts from the first launch's so
     the engine detects the platform it will run on."""
     env = {**os.environ, **(entries[0]["env"] if entries else {})}
-    proc = subprocess.run([python, "-m", "epd_serve.engines.engine_probe"], input=json.dumps(entries),
+    proc = subprocess.run([python, "-m", "epd_serve.runtime.engine_probe"], input=json.dumps(entries),
                           capture_output=True, text=True, env=env, timeout=PROBE_TIMEOUT_S)
     if proc.returncode != 0 or not proc.stdout.strip():
         tail = "\n".join(proc.stderr.strip().splitlines()[-15:])

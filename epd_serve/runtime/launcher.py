@@ -24,11 +24,9 @@ from pathlib import Path
 
 import httpx
 
-from epd_serve.deployment.config import ConfigError
 from epd_serve.deployment.resolve import ResolvedDeployment
-from epd_serve.engines.hal import Platform
-from epd_serve.engines.tinymodel import is_model_dir
-from epd_serve.runtime.child import STOP_GRACE_S, Child, port_in_use
+from epd_serve.backends.hal import Platform
+from epd_serve.runtime.child import STOP_GRACE_S, Child
 from epd_serve.runtime.plan import (
     ROSTER_FILE,
     Step,
@@ -37,9 +35,9 @@ from epd_serve.runtime.plan import (
     startup_plan,
     with_internal_token,
 )
+from epd_serve.runtime.preflight_deployment import refuse_to_start
 from epd_serve.runtime.proctree import KILL_WAIT_S, ProcessTree, kill_trees
 from epd_serve.runtime.supervision import (
-    LaunchError,
     log_dir,
     prepare_work_dir,
     probe,
@@ -54,37 +52,9 @@ logger = logging.getLogger(__name__)
 
 
 def preflight(dep: ResolvedDeployment) -> None:
-    """Everything that would make start-up fail, checked before anything starts."""
-    if not is_model_dir(dep.model_dir):
-        raise ConfigError(
-            f"model directory {str(dep.model_dir)!r} not found or has no weights; build the "
-            f"tiny test model with `epd-serve model tiny --family qwen2_vl {dep.model_dir}` "
-            "or point 'model' at a real checkpoint"
-        )
-    for port, user in sorted(dep.ports().items()):
-        if port_in_use(dep.config.host, port):
-            raise ConfigError(
-                f"port {port} ({user}) on {dep.config.host} is in use; stop what holds it "
-                f"(`epd-serve down CONFIG` if it is an earlier deployment) or change "
-                "proxy_port/base_port/kv_base_port in the deployment file"
-            )
-    interpreters = {launch.engine_python for launch in dep.launches} - {None, sys.executable}
-    if not interpreters:
-        try:
-            dep.platform.check_available()
-        except RuntimeError as err:
-            raise LaunchError(str(err)) from None
-    for python in sorted(interpreters):
-        # The engines run another environment's vLLM: that one must have the platform's
-        # packages, not ours. It runs the same check (epd-serve is installed there too).
-        check = (f"from epd_serve.backends import get_platform; "
-                 f"get_platform({dep.platform.name!r}).check_available()")
-        done = subprocess.run([python, "-c", check], capture_output=True, text=True,
-                              timeout=300)
-        if done.returncode != 0:
-            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            raise LaunchError(f"the engine environment {python} is not ready for "
-                              f"{dep.platform.name}: {last}")
+    """Refuse to start what would fail: the preflight's checks of the start-up plan
+    (epd_serve/runtime/preflight_deployment.py), as `epd-serve doctor` words them."""
+    refuse_to_start(dep, startup_plan(dep))
 
 
 class Launcher:

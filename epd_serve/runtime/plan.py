@@ -24,8 +24,8 @@ from collections.abc import Callable
 from typing import Literal
 
 from epd_serve.deployment.resolve import ResolvedDeployment
-from epd_serve.engines.hal import InstanceLaunch
-from epd_serve.engines.kv_protocols import get_protocol
+from epd_serve.backends.hal import InstanceLaunch
+from epd_serve.protocols.registry import get_protocol
 from epd_serve.mmstore.service import store_processes
 from epd_serve.proxy.config import InstanceEntry, ProxyConfig
 from epd_serve.proxy.tenancy import INTERNAL_TOKEN_ENV, INTERNAL_TOKEN_HEADER

@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from epd_serve.engines.payloads import chat_body, image_data_url, make_image
+from epd_serve.instances.payloads import chat_body, image_data_url, make_image
 from epd_serve.proxy.tenancy import own_key
 from epd_serve.proxy.upstream import error_message
 from epd_serve.runtime.child import log_tail

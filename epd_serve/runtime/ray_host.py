@@ -18,7 +18,7 @@ import threading
 from pathlib import Path
 from typing import BinaryIO
 
-from epd_serve.deployment.config import Supervision
+from epd_serve.deployment.schema import Supervision
 from epd_serve.runtime.child import LEFTOVER_GRACE_S, STOP_GRACE_S, Child, port_in_use
 from epd_serve.runtime.plan import fill_run_dir
 from epd_serve.runtime.proctree import KILL_WAIT_S, ProcessTree, kill_trees

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from epd_serve.deployment.resolve import ResolvedDeployment
-from epd_serve.engines.hal import Platform
+from epd_serve.backends.hal import Platform
 from epd_serve.proxy.tenancy import INTERNAL_TOKEN_ENV
 from epd_serve.runtime.plan import (
     INTERNAL_TOKEN,

@@ -6,7 +6,7 @@ Runs in the launcher's process, and (RestartBackoff, ChildLog) in each Ray host 
 A "child" here is anything with a name, a health URL, a `healthy` flag, `exit_code()`
 (None while it runs or may come back) and `log_tail()`: a local Child, or the Ray
 launcher's view of an actor's process. The settings and their defaults are the
-deployment file's `supervision` section (epd_serve/deployment/config.py).
+deployment file's `supervision` section (epd_serve/deployment/schema.py).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from epd_serve.deployment.config import Supervision
+from epd_serve.deployment.schema import Supervision
 from epd_serve.deployment.resolve import ResolvedDeployment
 
 logger = logging.getLogger(__name__)

@@ -1,11 +1,14 @@
-"""KV hand-off protocols as the proxy drives them; one file each (see base.py)."""
+"""KV hand-off protocols as the proxy drives them; one file each (see base.py).
 
-from epd_serve.proxy.handoff.ascend_layerwise import AscendLayerwise
+Runs in the proxy process. Which class drives which protocol is the registry's to say
+(protocols/registry.py, each protocol's `handoff`); HANDOFFS is that, imported.
+"""
+
+from epd_serve.protocols.registry import PROTOCOLS
 from epd_serve.proxy.handoff.base import Handoff
-from epd_serve.proxy.handoff.epd_push import EPDPush
-from epd_serve.proxy.handoff.mooncake_pull import MooncakePull
 
-HANDOFFS: dict[str, type[Handoff]] = {h.name: h for h in (EPDPush, MooncakePull, AscendLayerwise)}
+HANDOFFS: dict[str, type[Handoff]] = {name: protocol.handoff_class()
+                                      for name, protocol in PROTOCOLS.items()}
 
 
 def make_handoff(name: str, upstream, config) -> Handoff:

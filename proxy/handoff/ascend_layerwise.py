@@ -9,6 +9,9 @@ engine id, ...), naming the request by the id vLLM derived from our `X-Request-I
 exactly those parameters and the same `X-Request-Id`; prefill pushes each layer into
 decode's memory and decode answers. A POST to any other URL, or naming another
 request, is refused: nobody but that decode instance can point prefill's KV anywhere.
+What decode is sent and what it reports are the structs of protocols/ascend_layerwise.py
+(vllm-ascend's own keys); a report that does not match fails the request with a 502
+naming the field.
 Written against vllm-ascend's connector and example proxy; exercised here with fake
 instances that speak the protocol, not on an NPU.
 """
@@ -20,8 +23,10 @@ import contextlib
 import dataclasses
 from collections.abc import AsyncIterator
 
+from epd_serve.protocols.ascend_layerwise import BlocksReport, DecodeParams
+from epd_serve.protocols.params import ParamsError, from_dict, to_dict
+from epd_serve.proxy.errors import ProxyError, malformed_params
 from epd_serve.proxy.handoff.base import Handoff, cancel_and_wait, decode_body
-from epd_serve.proxy.errors import ProxyError
 from epd_serve.proxy.ids import random_hex
 from epd_serve.proxy.state import InstanceState
 from epd_serve.proxy.trip import Trip
@@ -54,8 +59,7 @@ class AscendLayerwise(Handoff):
 
     @staticmethod
     def _decode_body(body: dict, pending: PendingPrefill) -> dict:
-        return decode_body(body, {"do_remote_decode": False, "do_remote_prefill": True,
-                                  "metaserver": pending.metaserver_url})
+        return decode_body(body, to_dict(DecodeParams(metaserver=pending.metaserver_url)))
 
     @contextlib.asynccontextmanager
     async def _registered(self, path: str, body: dict, trip: Trip, prefill):
@@ -111,10 +115,17 @@ class AscendLayerwise(Handoff):
         if body.get("request_id") != pending.engine_request_id:
             raise ProxyError(403, "this metaserver URL belongs to another request",
                              "permission_error", reason="forged_metaserver")
-        prefill_body = single_token(pending.body, kv_transfer_params=body, min_tokens=1)
-        if "max_completion_tokens" in pending.body:
-            prefill_body["max_completion_tokens"] = 1
         try:
+            try:
+                report = from_dict(BlocksReport, body, "metaserver report")
+            except ParamsError as err:
+                # Decode is waiting for KV that prefill cannot be told where to write:
+                # the request fails, naming the field, rather than hang until it times out.
+                raise malformed_params(err, "decode") from None
+            prefill_body = single_token(pending.body, kv_transfer_params=to_dict(report),
+                                        min_tokens=1)
+            if "max_completion_tokens" in pending.body:
+                prefill_body["max_completion_tokens"] = 1
             await self.upstream.post("P", pending.path, prefill_body, pending.trip,
                                      pending.prefill)
         except ProxyError as err:

@@ -12,6 +12,10 @@ frees its blocks) and the pair is retried on the next prefill instance; a 4xx fr
 prefill is the client's error and is returned as is. When the last prefill instance
 cannot be reached at all (it died), decode's request is kept: decode notices the dead
 peer and computes the prompt itself, so the request is slower but not lost.
+What both are sent and the transfer report decode answers with are the structs of
+protocols/epd_push.py; a report that does not match, or that says decode refused what
+it was sent (a field missing or renamed), fails the request with a 502 naming the
+field, rather than pass for a transfer.
 """
 
 from __future__ import annotations
@@ -19,8 +23,19 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+from epd_serve.protocols.epd_push import (
+    FAULT_KEY,
+    MODE_KEY,
+    REPORT_KEY,
+    VERSION_KEY,
+    DecodeParams,
+    PrefillParams,
+    Steering,
+    TransferReport,
+)
+from epd_serve.protocols.params import ParamsError, from_dict, to_dict
+from epd_serve.proxy.errors import HandoffError, ProxyError, bad_request, malformed_params
 from epd_serve.proxy.handoff.base import Handoff, cancel_and_wait, decode_body
-from epd_serve.proxy.errors import ProxyError
 from epd_serve.proxy.ids import random_hex
 from epd_serve.proxy.state import InstanceState
 from epd_serve.proxy.trip import Trip
@@ -28,7 +43,6 @@ from epd_serve.proxy.upstream import single_token
 
 # Keys of kv_transfer_params a client may set to steer our connector per request
 # (transfer mode, fault injection where the deployment allows it); passed to prefill.
-MODE_KEY, FAULT_KEY = "epd_mode", "epd_fault"
 PASSTHROUGH_KEYS = (MODE_KEY, FAULT_KEY)
 
 
@@ -42,7 +56,13 @@ class EPDPush(Handoff):
             return (await self.upstream.post("D", path, request, trip))[1]
 
         result = await self._run(path, body, trip, prefill, decode, _discard_result)
-        trip.kv = (result.get("kv_transfer_params") or {}).get("epd_kv")
+        report = read_report(result)
+        # What the timeline and x-epd-stages show: the measures, not the wire's version.
+        trip.kv = {k: v for k, v in to_dict(report).items() if k != VERSION_KEY} \
+            if report is not None else None
+        if report is not None and report.outcome == "refused":
+            raise HandoffError(f"decode refused the KV hand-off parameters it was sent: "
+                               f"{report.reason}")
         return result
 
     async def stream(self, path, body, trip, prefill) -> AsyncIterator[bytes]:
@@ -57,21 +77,20 @@ class EPDPush(Handoff):
     async def _run(self, path: str, body: dict, trip: Trip, prefill: list[InstanceState],
                    decode: Callable[[dict], Awaitable], discard: Callable[[object], Awaitable]):
         last: ProxyError | None = None
-        steering = {k: v for k, v in (body.get("kv_transfer_params") or {}).items()
-                    if k in PASSTHROUGH_KEYS}
+        steering = client_steering(body)
         for index, p_inst in enumerate(prefill):
             if index:
                 self.upstream.note_retry("P", trip)
             host, _, port = (p_inst.entry.kv_endpoint or "").rpartition(":")
-            if not host:
-                raise ProxyError(500, f"prefill instance {p_inst.name} has no KV side channel")
+            if not host or not port.isdigit():
+                raise ProxyError(500, f"prefill instance {p_inst.name} has no KV side channel "
+                                 "(host:port)")
             transfer_id = random_hex(16)
-            decode_request = decode_body(body, {
-                "do_remote_prefill": True, "do_remote_decode": False,
-                "transfer_id": transfer_id, "remote_host": host, "remote_port": int(port)})
-            prefill_body = single_token(body, stream=True, kv_transfer_params={
-                "do_remote_decode": True, "do_remote_prefill": False,
-                "transfer_id": transfer_id, **steering})
+            decode_request = decode_body(body, to_dict(DecodeParams(
+                transfer_id=transfer_id, remote_host=host, remote_port=int(port))))
+            prefill_body = single_token(body, stream=True, kv_transfer_params=to_dict(
+                PrefillParams(transfer_id=transfer_id, epd_mode=steering.epd_mode,
+                              epd_fault=steering.epd_fault)))
             decoding = None
             try:
                 prefilling = await self.upstream.open_stream("P", path, prefill_body, trip,
@@ -97,6 +116,30 @@ class EPDPush(Handoff):
                 raise
             return await decoding
         raise last or ProxyError(503, "no healthy instance runs stage P", "service_unavailable")
+
+
+def client_steering(body: dict) -> Steering:
+    """The keys of the client's kv_transfer_params that steer our connector (request.py
+    has refused every other); a wrong value is the client's to fix."""
+    given = {k: v for k, v in (body.get("kv_transfer_params") or {}).items()
+             if k in PASSTHROUGH_KEYS}
+    try:
+        return from_dict(Steering, given, "kv_transfer_params")
+    except ParamsError as err:
+        raise bad_request(str(err), "bad_kv_transfer_params") from None
+
+
+def read_report(result: dict) -> TransferReport | None:
+    """Decode's transfer report from its answer, None where it gave none (it computed
+    the prompt itself without a transfer, e.g. prefill was unreachable)."""
+    params = result.get("kv_transfer_params")
+    raw = params.get(REPORT_KEY) if isinstance(params, dict) else params
+    if raw is None:
+        return None
+    try:
+        return from_dict(TransferReport, raw, f"kv_transfer_params.{REPORT_KEY}")
+    except ParamsError as err:
+        raise malformed_params(err, "decode") from None
 
 
 async def _discard_result(_result) -> None:

@@ -2,15 +2,18 @@
 
 The proxy asks the prefill instance's bootstrap server (`GET /query`) for its engine
 id once per incarnation of that instance, runs prefill with `do_remote_decode`, then
-decode with `do_remote_prefill` and where to pull from.
+decode with `do_remote_prefill` and where to pull from (the keys vLLM reads: the
+structs of protocols/mooncake_pull.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+from epd_serve.protocols.mooncake_pull import BootstrapWorkers, DecodeParams, PrefillParams
+from epd_serve.protocols.params import ParamsError, from_dict, to_dict
+from epd_serve.proxy.errors import ProxyError, malformed_params
 from epd_serve.proxy.handoff.base import Handoff, decode_body
-from epd_serve.proxy.errors import ProxyError
 from epd_serve.proxy.ids import random_hex
 from epd_serve.proxy.state import InstanceState
 from epd_serve.proxy.trip import Trip
@@ -28,16 +31,12 @@ class MooncakePull(Handoff):
                        prefill: list[InstanceState]) -> dict:
         """Run prefill; returns the decode request."""
         transfer_id = random_hex(16)
-        p_inst, _ = await self.upstream.post("P", path, single_token(body, kv_transfer_params={
-            "do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id,
-        }), trip, prefill)
-        return decode_body(body, {
-            "do_remote_decode": False,
-            "do_remote_prefill": True,
-            "remote_bootstrap_addr": p_inst.entry.kv_endpoint,
-            "remote_engine_id": await self._engine_id(p_inst),
-            "transfer_id": transfer_id,
-        })
+        p_inst, _ = await self.upstream.post("P", path, single_token(
+            body, kv_transfer_params=to_dict(PrefillParams(transfer_id=transfer_id))),
+            trip, prefill)
+        return decode_body(body, to_dict(DecodeParams(
+            remote_bootstrap_addr=p_inst.entry.kv_endpoint,
+            remote_engine_id=await self._engine_id(p_inst), transfer_id=transfer_id)))
 
     async def complete(self, path, body, trip, prefill):
         decode_request = await self._prefill(path, body, trip, prefill)
@@ -63,8 +62,13 @@ class MooncakePull(Handoff):
                                   f"unreachable: {err}", "upstream_error") from None
         if status != 200:
             raise upstream_error(inst, status, str(workers))
-        if not isinstance(workers, dict) or not workers:
+        try:
+            workers = from_dict(BootstrapWorkers, workers, "bootstrap /query")
+        except ParamsError as err:
+            raise malformed_params(err, f"the KV bootstrap of prefill instance {inst.name}") \
+                from None
+        if not workers:
             raise ProxyError(503, f"prefill instance {inst.name} has no KV worker registered yet")
-        engine_id = next(iter(workers.values()))["engine_id"]
+        engine_id = next(iter(workers.values())).engine_id
         self._engine_ids[inst.name] = (inst.incarnation, engine_id)
         return engine_id

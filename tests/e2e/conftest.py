@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from epd_serve.engines.tinymodel import build_tiny_model
-from epd_serve.runtime import deploy
+from epd_serve.models.tinymodel import build_tiny_model
+from epd_serve.runtime import bringup
 
 from ..ports import free_port_block
 
@@ -81,14 +81,14 @@ class Deployments:
         # A small store, so that tests can fill it past capacity quickly.
         store = {"capacity": STORE_CAPACITY, "port": base + 20, "metrics_port": base + 21,
                  "prefetch_base_port": base + 24, **overrides.pop("mm_store", {})}
-        dep = deploy.load(REPO / "configs" / "cpu" / config_file, **{
+        dep = bringup.load(REPO / "configs" / "cpu" / config_file, **{
             "model": str(self.model), "tiny_model": None,
             "proxy_port": base, "base_port": base + 10, "kv_base_port": base + 30,
             "mm_store": store, "fault_injection": True,
             "work_dir": str(self.work_root / name), "engine_python": ENGINE_PYTHON,
             **({"feature_refs": "pixels"} if ENGINE_PYTHON else {}),
             **overrides})
-        launcher = deploy.bring_up(dep)
+        launcher = bringup.bring_up(dep)
         self.current = (key, dep, launcher)
         return dep
 

@@ -23,10 +23,10 @@ import httpx
 import numpy as np
 import pytest
 
-from epd_serve.bench import timeline as timeline_view
+from epd_serve.bench import waterfall as timeline_view
 from epd_serve.cli.demo import traced_request
-from epd_serve.engines.instance_metrics import parse_prometheus
-from epd_serve.engines.payloads import chat_body, image_data_url, make_image
+from epd_serve.instances.counters import parse_prometheus
+from epd_serve.instances.payloads import chat_body, image_data_url, make_image
 from epd_serve.mmstore import FeatureMeta, open_store
 from epd_serve.proxy.tenancy import image_key
 

@@ -15,8 +15,8 @@ import httpx
 import psutil
 import pytest
 
-from epd_serve.engines.instance_metrics import Counters, snapshot
-from epd_serve.engines.payloads import chat_body, image_data_url, make_image
+from epd_serve.instances.counters import Counters, snapshot
+from epd_serve.instances.payloads import chat_body, image_data_url, make_image
 
 MAX_TOKENS = 6
 RESTART_TIMEOUT_S = 300

@@ -20,8 +20,8 @@ import httpx
 import numpy as np
 import pytest
 
-from epd_serve.engines.instance_metrics import snapshot
-from epd_serve.engines.payloads import chat_body, make_image
+from epd_serve.instances.counters import snapshot
+from epd_serve.instances.payloads import chat_body, make_image
 from epd_serve.proxy.tenancy import Tenants, image_key
 
 from .second_proxy import second_proxy

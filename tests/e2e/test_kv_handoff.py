@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from epd_serve.cli.demo import traced_request
-from epd_serve.engines.instance_metrics import parse_prometheus
+from epd_serve.instances.counters import parse_prometheus
 
 from ..waiting import wait_for
 

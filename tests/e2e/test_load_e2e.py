@@ -8,7 +8,7 @@ import json
 
 import yaml
 
-from epd_serve.bench.metrics import SLO
+from epd_serve.bench.timings import SLO
 from epd_serve.bench.report import write_report
 from epd_serve.bench.runner import LoadSpec, compare_deployments, sweep
 

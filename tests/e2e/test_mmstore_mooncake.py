@@ -8,8 +8,8 @@ import httpx
 import pytest
 
 from epd_serve.cli.demo import traced_request
-from epd_serve.engines.instance_metrics import parse_prometheus
-from epd_serve.engines.payloads import chat_body, image_data_url, make_image
+from epd_serve.instances.counters import parse_prometheus
+from epd_serve.instances.payloads import chat_body, image_data_url, make_image
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from epd_serve.bench import arrivals, workloads
-from epd_serve.bench.metrics import SLO
+from epd_serve.bench.timings import SLO
 from epd_serve.planner import profile as profiles
 from epd_serve.planner import profiler, simulator
 

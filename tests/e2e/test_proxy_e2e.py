@@ -16,8 +16,8 @@ import zlib
 import httpx
 import pytest
 
-from epd_serve.engines.instance_metrics import snapshot
-from epd_serve.engines.payloads import chat_body, image_data_url, make_image
+from epd_serve.instances.counters import snapshot
+from epd_serve.instances.payloads import chat_body, image_data_url, make_image
 from epd_serve.proxy.routing import rendezvous
 from epd_serve.proxy.tenancy import image_key
 from epd_serve.runtime.plan import proxy_config

@@ -10,9 +10,9 @@ import time
 import httpx
 import pytest
 
-from epd_serve.engines.instance_metrics import snapshot
-from epd_serve.engines.payloads import chat_body, image_data_url, make_image
-from epd_serve.runtime import deploy
+from epd_serve.instances.counters import snapshot
+from epd_serve.instances.payloads import chat_body, image_data_url, make_image
+from epd_serve.runtime import bringup
 
 from ..ports import free_port_block
 from .conftest import REPO, STORE_CAPACITY
@@ -25,7 +25,7 @@ RECOVERY_TIMEOUT_S = 300
 def cluster_dep(deployments, tiny_model, tmp_path_factory):
     deployments.stop()  # at most three engine instances on this machine at a time
     base = free_port_block(40, start=25000)
-    dep = deploy.load(REPO / "configs/cpu/ray-e-p-d.yaml", **{
+    dep = bringup.load(REPO / "configs/cpu/ray-e-p-d.yaml", **{
         "model": str(tiny_model), "tiny_model": None,
         "proxy_port": base, "base_port": base + 10, "kv_base_port": base + 30,
         "mm_store": {"backend": "mooncake", "capacity": STORE_CAPACITY, "port": base + 20,
@@ -35,7 +35,7 @@ def cluster_dep(deployments, tiny_model, tmp_path_factory):
         "proxy": {"routing": {"encode_fallback": "refuse"}},
         "work_dir": str(tmp_path_factory.mktemp("ray") / "cpu-ray-e-p-d")})
     started = time.monotonic()
-    launcher = deploy.bring_up(dep)
+    launcher = bringup.bring_up(dep)
     print(f"three-node E-P-D up and warmed in {time.monotonic() - started:.1f}s")
     yield dep, launcher
     launcher.stop()

@@ -151,8 +151,8 @@ def test_every_module_imports_from_the_installed_wheel(wheel, tmp_path):
 # The subpackages of epd_serve from the bottom up: a module may import its own
 # subpackage and those below it, never one above. The package root (`epd_serve`) holds
 # only the version and sits below them all.
-LAYERS = ("topology", "mmstore", "connectors", "engines", "backends", "proxy", "deployment",
-          "runtime", "bench", "planner", "testing", "cli")
+LAYERS = ("protocols", "topology", "models", "mmstore", "connectors", "backends", "instances",
+          "proxy", "deployment", "runtime", "bench", "planner", "testing", "cli")
 
 
 def wheel_imports(wheel: Path) -> dict[str, set[str]]:

@@ -44,8 +44,24 @@ from epd_serve.connectors.epd_ec.loader import Feature, FeatureLoader
 from epd_serve.connectors.epd_ec.settings import Settings
 from epd_serve.connectors.epd_ec.stats import LoggedCounts, Recorder
 from epd_serve.mmstore import FeatureMeta, FeatureStore, open_store
+from epd_serve.protocols.encoder import EncoderParams
+from epd_serve.protocols.params import ParamsError, from_dict, to_dict
 
 log = logging.getLogger("vllm.epd_serve.ec")
+
+
+def published(items: dict) -> dict | None:
+    """A request's `ec_transfer_params`, written through protocols/encoder.py's struct
+    (what the proxy reads them as); None where the request has no feature."""
+    if not items:
+        return None
+    try:
+        return to_dict(from_dict(EncoderParams, items, "ec_transfer_params"))
+    except ParamsError as err:
+        # vLLM's entries changed shape: sent as they are, for the proxy to refuse the
+        # request naming the field (failing here would take the engine down).
+        log.error("epd-ec: the features' ec_transfer_params do not match their struct: %s", err)
+        return items
 
 
 @dataclass
@@ -287,7 +303,7 @@ class EPDECScheduler:
         self._finished(request.request_id)
         if not self.producer:
             return False, None
-        return False, collect_ec_item_metadata(request.mm_features, self.resolver) or None
+        return False, published(collect_ec_item_metadata(request.mm_features, self.resolver))
 
     def _finished(self, req_id: str) -> None:
         self._unavailable.discard(req_id)

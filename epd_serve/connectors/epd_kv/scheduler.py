@@ -12,26 +12,36 @@ touch the network (workers do that).
 - prefill (`kv_producer`): every step that computes part of a `do_remote_decode`
   request's prompt tells the workers which blocks and tokens that step writes; when the
   request finishes its blocks stay pinned until the workers report the writes done.
+
+A request's parameters are read through protocols/epd_push.py's structs. Ones that do
+not match (decode's `remote_port` missing, a renamed key, an `epd_v` this connector does
+not know) are refused loudly: an ERROR log naming the field, no transfer, and the
+refusal in the request's own report (`{"epd_kv": {"outcome": "refused", "reason": ...}}`),
+which the proxy turns into a 502 naming the field. The refusal is of the transfer, not
+of the request: vLLM's KV connector scheduler interface has no call that fails a
+request, so the engine still computes it (decode: the whole prompt) and the proxy,
+reading the report, is the one that fails it.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar
+
+from msgspec import UNSET
 
 from epd_serve.connectors import feature_gate
 from epd_serve.connectors.epd_kv import messages as msg
 from epd_serve.connectors.epd_kv.metadata import StepPlan, TransferReport
 from epd_serve.connectors.epd_kv.settings import Settings
 from epd_serve.connectors.spans import ConnectorSpans
+from epd_serve.protocols import epd_push as wire
+from epd_serve.protocols.epd_push import REPORT_KEY, DecodeParams, PrefillParams
+from epd_serve.protocols.params import ParamsError, from_dict, to_dict
 
 logger = logging.getLogger("vllm.epd_serve.kv.scheduler")
-
-# A request's kv_transfer_params keys for this connector.
-FAULT_KEY = "epd_fault"
-MODE_KEY = "epd_mode"
-REPORT_KEY = "epd_kv"
+P = TypeVar("P", DecodeParams, PrefillParams)
 
 
 class EPDKVScheduler:
@@ -41,7 +51,8 @@ class EPDKVScheduler:
         self.block_size = vllm_config.cache_config.block_size
         role = vllm_config.kv_transfer_config.kv_role
         self.is_producer = role == "kv_producer"
-        self._sending: dict[str, Any] = {}  # request id -> Request being prefilled
+        # request id -> (Request being prefilled, its parameters)
+        self._sending: dict[str, tuple[Any, PrefillParams]] = {}
         # Their blocks, from the scheduler outputs (vLLM before 0.32 lends a connector
         # no cache manager to ask).
         self._block_ids: dict[str, list[int]] = {}
@@ -51,8 +62,22 @@ class EPDKVScheduler:
         self._recvs: list[msg.RecvPlan] = []
         self._receiving: set[str] = set()  # decode requests whose transfer is reserved
         self._reports: dict[str, dict[str, Any]] = {}
+        # request id -> the report of parameters refused, returned when it finishes
+        self._refused: dict[str, dict[str, Any]] = {}
         self.spans = None if self.is_producer else ConnectorSpans.of(vllm_config)
         self._trace_headers: dict[str, Mapping[str, str]] = {}  # receiving, traced
+
+    def _read(self, request, kind: type[P]) -> P | None:
+        """The request's kv_transfer_params as `kind`; None, refused, where they do not
+        match: logged naming the field, and the refusal kept for the request's report."""
+        try:
+            return from_dict(kind, request.kv_transfer_params, "kv_transfer_params")
+        except ParamsError as err:
+            side = "prefill" if self.is_producer else "decode"
+            logger.error("epd-kv: %s refuses the KV transfer of request %s, no transfer: %s",
+                         side, request.request_id, err)
+            self._refused[request.request_id] = {REPORT_KEY: to_dict(wire.refusal(str(err)))}
+            return None
 
     # -- decode ---------------------------------------------------------------
     def get_num_new_matched_tokens(self, request,
@@ -66,6 +91,10 @@ class EPDKVScheduler:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             return 0, False
+        if self._read(request, DecodeParams) is None:
+            # Refused: computed here (no call fails it), the proxy fails it on the report.
+            params["do_remote_prefill"] = False
+            return 0, False
         count = len(request.prompt_token_ids or []) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
@@ -74,17 +103,17 @@ class EPDKVScheduler:
         if not params:
             return
         if self.is_producer:
-            if params.get("do_remote_decode") and params.get("transfer_id"):
-                self._sending[request.request_id] = request
+            if params.get("do_remote_decode"):
+                sent = self._read(request, PrefillParams)
+                if sent is not None:
+                    self._sending[request.request_id] = (request, sent)
             return
         if not params.get("do_remote_prefill"):
             return
         params["do_remote_prefill"] = False  # one transfer per request, even if preempted
-        missing = [k for k in ("transfer_id", "remote_host", "remote_port") if k not in params]
-        if missing:
-            logger.warning("epd-kv: request %s lacks %s in kv_transfer_params; it is "
-                           "computed here", request.request_id, missing)
-            return
+        wanted = self._read(request, DecodeParams)
+        if wanted is None:
+            return  # its refusal is reported when it finishes
         prompt_len = len(request.prompt_token_ids or [])
         # The allocated blocks past this engine's own prefix-cache hit (still unhashed
         # while the load is pending) receive the prompt's KV.
@@ -93,8 +122,8 @@ class EPDKVScheduler:
         if self.spans is not None and getattr(request, "trace_headers", None):
             self._trace_headers[request.request_id] = request.trace_headers
         self._recvs.append(msg.RecvPlan(
-            request_id=request.request_id, transfer_id=params["transfer_id"],
-            prefill_host=params["remote_host"], prefill_port=int(params["remote_port"]),
+            request_id=request.request_id, transfer_id=wanted.transfer_id,
+            prefill_host=wanted.remote_host, prefill_port=wanted.remote_port,
             block_ids=block_ids,
             first_block=(prompt_len - num_external_tokens) // self.block_size,
             num_tokens=prompt_len))
@@ -106,10 +135,10 @@ class EPDKVScheduler:
         self._recvs, self._finished_sends = [], []
         track_block_ids(self._block_ids, scheduler_output, self._sending)
         for request_id, count in scheduler_output.num_scheduled_tokens.items():
-            request = self._sending.get(request_id)
-            if request is None:
+            sending = self._sending.get(request_id)
+            if sending is None:
                 continue
-            params = request.kv_transfer_params
+            request, sent = sending
             start = request.num_computed_tokens  # vLLM advances it after this call
             if start >= request.num_prompt_tokens:
                 continue  # a decode step: its KV is not handed off
@@ -118,11 +147,12 @@ class EPDKVScheduler:
                 end, request.num_prompt_tokens, self.block_size, self._shipped.get(request_id, 0))
             self._shipped[request_id] = end_block
             plan.sends.append(msg.SendChunk(
-                request_id=request_id, transfer_id=params["transfer_id"],
+                request_id=request_id, transfer_id=sent.transfer_id,
                 block_ids=list(self._block_ids.get(request_id, ())),
                 start=start, end=end, prompt_len=request.num_prompt_tokens,
-                first_block=first_block, end_block=end_block, mode=params.get(MODE_KEY),
-                fault=params.get(FAULT_KEY)))
+                first_block=first_block, end_block=end_block,
+                mode=None if sent.epd_mode is UNSET else sent.epd_mode,
+                fault=None if sent.epd_fault is UNSET else sent.epd_fault))
         preempted = scheduler_output.preempted_req_ids or set()
         plan.preempted = [r for r in preempted if r in self._sending]
         for request_id in plan.preempted:
@@ -161,26 +191,45 @@ class EPDKVScheduler:
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         params = request.kv_transfer_params or {}
+        refused = self._refused.pop(request.request_id, None)
         if self.is_producer:
             self._shipped.pop(request.request_id, None)
             self._block_ids.pop(request.request_id, None)
-            if self._sending.pop(request.request_id, None) is None:
-                return False, None
+            sending = self._sending.pop(request.request_id, None)
+            if sending is None:
+                return False, refused
             aborted = request.status.name not in ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
             self._finished_sends.append(msg.FinishedSend(
-                request.request_id, params["transfer_id"], aborted))
+                request.request_id, sending[1].transfer_id, aborted))
             self._unreleased.add(request.request_id)
             return True, None
-        if params.get("do_remote_prefill") and params.get("remote_host"):
+        if params.get("do_remote_prefill"):
             # Aborted before blocks were allocated: prefill must not wait for us.
             params["do_remote_prefill"] = False
-            self._recvs.append(msg.RecvPlan(
-                request.request_id, params["transfer_id"], params["remote_host"],
-                int(params["remote_port"]), [], 0, 0))
+            wanted = self._read(request, DecodeParams)
+            if wanted is not None:
+                self._recvs.append(msg.RecvPlan(
+                    request.request_id, wanted.transfer_id, wanted.remote_host,
+                    wanted.remote_port, [], 0, 0))
+            else:
+                refused = self._refused.pop(request.request_id, None)
         self._receiving.discard(request.request_id)
         self._trace_headers.pop(request.request_id, None)
         report = self._reports.pop(request.request_id, None)
-        return False, ({REPORT_KEY: report} if report else None)
+        if refused is not None:
+            return False, refused
+        return False, ({REPORT_KEY: self._versioned(report)} if report else None)
+
+    @staticmethod
+    def _versioned(stats: dict[str, Any]) -> dict[str, Any]:
+        """A worker's report of a transfer as decode answers it: the struct the proxy
+        reads (protocols/epd_push.py), version included."""
+        try:
+            report = from_dict(wire.TransferReport, stats, f"kv_transfer_params.{REPORT_KEY}")
+        except ParamsError as err:  # our worker and this struct disagree: a bug of ours
+            logger.error("epd-kv: a transfer report does not match its struct: %s", err)
+            report = wire.TransferReport(outcome="failed", reason=f"malformed report: {err}")
+        return to_dict(report)
 
     def shutdown(self) -> None:
         if self.spans is not None:

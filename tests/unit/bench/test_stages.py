@@ -12,7 +12,7 @@ from fastapi.responses import StreamingResponse
 
 from epd_serve.bench import stages
 from epd_serve.bench.client import run, run_schedule
-from epd_serve.bench.metrics import SLO, RequestRecord, summarize
+from epd_serve.bench.timings import SLO, RequestRecord, summarize
 from epd_serve.bench.report import write_report
 from epd_serve.bench.runner import LoadSpec, RunResult, _one_line
 from epd_serve.testing.fake_server import ThreadedServer

@@ -10,7 +10,7 @@ from PIL import Image
 
 from epd_serve.bench import workloads
 from epd_serve.bench.client import run, run_schedule
-from epd_serve.bench.metrics import SLO
+from epd_serve.bench.timings import SLO
 from epd_serve.bench.report import write_report
 from epd_serve.bench.runner import Bodies, LoadSpec, find_goodput, sweep
 from epd_serve.cli.bench import add_bench_parser  # noqa: F401  (import check)

@@ -27,7 +27,6 @@ from epd_serve.connectors.epd_kv.metadata import StepPlan
 from epd_serve.mmstore import open_store
 
 from ...ports import free_port_block
-from ...stores import started_shm_store
 from ...waiting import wait_for
 from .test_epd_ec import GRID, ItemData, decided, feature, request, store_feature
 
@@ -236,18 +235,12 @@ def test_the_new_api_learns_a_failed_receive_by_request_and_no_blocks(decode):
 
 # -- EC connector --------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def spec():
-    with started_shm_store("ec-compat", 8 << 20, port_start=29400) as spec:
-        yield spec
-
-
-def ec_connector(spec, role: str, producer=False, consumer=True) -> EPDECConnector:
+def ec_connector(store_spec, role: str, producer=False, consumer=True) -> EPDECConnector:
     from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
 
     config = SimpleNamespace(model_config=None, ec_transfer_config=SimpleNamespace(
         is_ec_producer=producer, is_ec_consumer=consumer,
-        ec_connector_extra_config=ECSettings(store=spec).to_extra_config()))
+        ec_connector_extra_config=ECSettings(store=store_spec).to_extra_config()))
     connector = EPDECConnector(config, ECConnectorRole[role])
     if connector.scheduler is not None:
         connector.scheduler.resolver._cache["image"] = {"image_grid_thw"}
@@ -258,9 +251,9 @@ def step(*finished: str):
     return SimpleNamespace(finished_req_ids=set(finished))
 
 
-def test_copies_are_given_back_when_vllm_reports_the_request_finished(spec):
-    store_feature(spec, "held")
-    connector = ec_connector(spec, "SCHEDULER")
+def test_copies_are_given_back_when_vllm_reports_the_request_finished(store_spec):
+    store_feature(store_spec, "held")
+    connector = ec_connector(store_spec, "SCHEDULER")
     assert decided(connector.scheduler, request("r1", feature("held")))
     assert connector.has_cache_item("held")
     connector.build_connector_meta(step())
@@ -273,10 +266,10 @@ def test_copies_are_given_back_when_vllm_reports_the_request_finished(spec):
 
 
 @pytest.mark.parametrize("fails_requests", [NEW_API, OLD_API])
-def test_a_reference_to_a_missing_feature_is_failed_only_where_vllm_can(spec, monkeypatch,
+def test_a_reference_to_a_missing_feature_is_failed_only_where_vllm_can(store_spec, monkeypatch,
                                                                         fails_requests):
     monkeypatch.setattr(compat, "EC_FAILS_REQUESTS", fails_requests)
-    connector = ec_connector(spec, "SCHEDULER")
+    connector = ec_connector(store_spec, "SCHEDULER")
     req = request("r2", feature("nowhere"))
     assert decided(connector.scheduler, req) is False
     assert connector.ensure_cache_available(req, 0) is False  # decided once
@@ -296,10 +289,10 @@ class RecordingLog:
 
 
 @pytest.mark.parametrize("has_stats", [NEW_API, OLD_API])
-def test_scheduler_counts_go_to_vllm_or_else_to_the_log(spec, monkeypatch, has_stats):
+def test_scheduler_counts_go_to_vllm_or_else_to_the_log(store_spec, monkeypatch, has_stats):
     monkeypatch.setattr(compat, "EC_STATS", has_stats)
     monkeypatch.setattr(ec_stats, "log", log := RecordingLog())
-    connector = ec_connector(spec, "SCHEDULER")
+    connector = ec_connector(store_spec, "SCHEDULER")
     if not has_stats:
         connector.scheduler._logged.interval_s = 0
     assert decided(connector.scheduler, request("r3", feature("elsewhere", pixels=True)))
@@ -314,12 +307,12 @@ def test_scheduler_counts_go_to_vllm_or_else_to_the_log(spec, monkeypatch, has_s
 
 
 @pytest.mark.parametrize("starts_saves", [NEW_API, OLD_API])
-def test_the_encoder_stores_each_feature_with_its_placeholder_metadata(spec, monkeypatch,
+def test_the_encoder_stores_each_feature_with_its_placeholder_metadata(store_spec, monkeypatch,
                                                                        starts_saves):
     monkeypatch.setattr(compat, "EC_START_SAVE_CACHES", starts_saves)
     monkeypatch.setattr(compat, "EC_WORKER_META", starts_saves)
     monkeypatch.setattr(ec_stats, "log", log := RecordingLog())
-    connector = ec_connector(spec, "WORKER", producer=True, consumer=False)
+    connector = ec_connector(store_spec, "WORKER", producer=True, consumer=False)
     key = f"encoded-{starts_saves}"
     encoder_cache = {key: torch.ones(4, 8)}
 
@@ -335,7 +328,7 @@ def test_the_encoder_stores_each_feature_with_its_placeholder_metadata(spec, mon
 
     try:
         run_step(encode=True)
-        with open_store(spec) as store:
+        with open_store(store_spec) as store:
             assert store.lookup(key).placeholder == GRID
             assert store.delete(key)  # evicted from the store ...
             run_step(encode=False)  # ... and asked for again: in the encoder cache only

@@ -21,7 +21,6 @@ from epd_serve.connectors.epd_kv.settings import Settings
 from epd_serve.connectors.spans import ConnectorSpans
 from proxy.timeline import parse_otlp
 
-from ...stores import started_shm_store
 from .test_epd_ec import decided
 from .test_epd_ec import feature as ec_feature
 from .test_epd_ec import request as ec_request
@@ -113,14 +112,8 @@ def test_decode_turns_its_transfer_report_into_a_span_and_answers_without_the_ti
     assert events == [("layers 0-13 landed", 400), ("layers 14-27 landed", 800)]
     request.status = types.SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
     _, params = scheduler.request_finished(request, [3, 4])
-    assert params == {"epd_kv": {"transfer_id": "t", "outcome": "done", "bytes": 4096,
-                                 "groups": 2}}
-
-
-@pytest.fixture(scope="module")
-def store_spec():
-    with started_shm_store("ec-spans", 8 << 20, port_start=29500) as spec:
-        yield spec
+    assert params == {"epd_kv": {"epd_v": 1, "transfer_id": "t", "outcome": "done",
+                                 "bytes": 4096, "groups": 2}}
 
 
 def test_prefill_loads_a_feature_as_a_span_of_the_request_it_is_for(store_spec):

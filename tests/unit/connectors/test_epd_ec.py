@@ -7,11 +7,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import time
-
 import msgspec
 import numpy as np
-import pytest
 import torch
 import zmq
 
@@ -24,21 +21,14 @@ from epd_serve.connectors.epd_ec.settings import Settings
 from epd_serve.mmstore import FeatureMeta, open_store
 
 from ...ports import free_port_block
-from ...stores import started_shm_store
 from ...waiting import wait_for
 
 GRID = {"image_grid_thw": [1, 4, 4]}
 
 
-@pytest.fixture(scope="module")
-def spec():
-    with started_shm_store("ec-unit", 8 << 20, port_start=29000) as spec:
-        yield spec
-
-
-def scheduler(spec, producer=False, consumer=True, **settings) -> EPDECScheduler:
+def scheduler(store_spec, producer=False, consumer=True, **settings) -> EPDECScheduler:
     vllm_config = SimpleNamespace(model_config=None)
-    sched = EPDECScheduler(vllm_config, Settings(store=spec, **settings), producer, consumer)
+    sched = EPDECScheduler(vllm_config, Settings(store=store_spec, **settings), producer, consumer)
     # What Qwen2-VL declares as placeholder metadata (vLLM reads it from the model).
     sched.resolver._cache["image"] = {"image_grid_thw"}
     return sched
@@ -71,26 +61,26 @@ def step(*finished: str):
     return SimpleNamespace(finished_req_ids=set(finished))
 
 
-def store_feature(spec, key: str) -> None:
-    with open_store(spec) as store:
+def store_feature(store_spec, key: str) -> None:
+    with open_store(store_spec) as store:
         store.put(key, np.arange(64, dtype=np.uint8), FeatureMeta((4, 8), "bfloat16", GRID))
 
 
 def decided(sched, req, num_computed_tokens: int = 0) -> bool:
     """What the scheduler says once the reads the request waits for are done: True
     (schedule it) or False (it failed)."""
-    for _ in range(1000):
+    def settled() -> str | None:
         if sched.ensure_cache_available(req, num_computed_tokens):
-            return True
-        if req.request_id in sched._unavailable:
-            return False
-        time.sleep(0.01)
-    raise AssertionError("the scheduler kept the request waiting for 10 s")
+            return "scheduled"
+        return "failed" if req.request_id in sched._unavailable else None
+
+    return wait_for(settled, "the scheduler deciding on the waiting request") == "scheduled"
 
 
-def test_a_feature_is_promised_only_once_its_bytes_are_here_and_held_until_the_request_ends(spec):
-    store_feature(spec, "held")
-    sched = scheduler(spec)
+def test_a_feature_is_promised_only_once_its_bytes_are_here_and_held_until_the_request_ends(
+        store_spec):
+    store_feature(store_spec, "held")
+    sched = scheduler(store_spec)
     req = request("r1", feature("held"))
     # The first pass starts the read and keeps the request waiting: nothing promised.
     assert sched.ensure_cache_available(req, 0) is False
@@ -99,7 +89,7 @@ def test_a_feature_is_promised_only_once_its_bytes_are_here_and_held_until_the_r
     assert sched.has_cache_item("held")
     # The store may now lose it (an eviction, a lapsed lease, a restart): the request
     # holds its own copy.
-    with open_store(spec) as store:
+    with open_store(store_spec) as store:
         assert store.delete("held") is True
     sched.update_state_after_alloc(req, 0)
     step_loads = sched.build_connector_meta(step()).loads
@@ -114,8 +104,8 @@ def test_a_feature_is_promised_only_once_its_bytes_are_here_and_held_until_the_r
     sched.shutdown()
 
 
-def test_a_missing_feature_with_the_image_is_encoded_locally(spec):
-    sched = scheduler(spec)
+def test_a_missing_feature_with_the_image_is_encoded_locally(store_spec):
+    sched = scheduler(store_spec)
     req = request("r2", feature("absent-with-pixels", pixels=True))
     assert decided(sched, req) is True
     assert not sched.has_cache_item("absent-with-pixels")  # vLLM runs the encoder
@@ -124,9 +114,9 @@ def test_a_missing_feature_with_the_image_is_encoded_locally(spec):
     sched.shutdown()
 
 
-def test_a_missing_feature_without_the_image_fails_the_request_once(spec):
-    store_feature(spec, "present")
-    sched = scheduler(spec)
+def test_a_missing_feature_without_the_image_fails_the_request_once(store_spec):
+    store_feature(store_spec, "present")
+    sched = scheduler(store_spec)
     req = request("r3", feature("present"), feature("absent", offset=20))
     assert decided(sched, req) is False
     # Handed to vLLM to fail (before vLLM 0.32, which cannot: it waits to be aborted).
@@ -140,8 +130,8 @@ def test_a_missing_feature_without_the_image_fails_the_request_once(spec):
     sched.shutdown()
 
 
-def test_features_whose_tokens_are_computed_need_nothing(spec):
-    sched = scheduler(spec)
+def test_features_whose_tokens_are_computed_need_nothing(store_spec):
+    sched = scheduler(store_spec)
     # Decode received the prompt's KV: the image's tokens (5..8) are computed.
     req = request("r4", feature("absent-but-covered", offset=5))
     assert sched.ensure_cache_available(req, 100) is True
@@ -149,9 +139,9 @@ def test_features_whose_tokens_are_computed_need_nothing(spec):
     sched.shutdown()
 
 
-def test_a_decode_whose_kv_never_came_loads_the_features_it_skipped(spec):
-    store_feature(spec, "needed-later")
-    sched = scheduler(spec)
+def test_a_decode_whose_kv_never_came_loads_the_features_it_skipped(store_spec):
+    store_feature(store_spec, "needed-later")
+    sched = scheduler(store_spec)
     req = request("r5", feature("needed-later", offset=5))
     # Scheduled expecting the prompt's KV: the image's tokens count as computed.
     assert sched.ensure_cache_available(req, 100) is True
@@ -167,9 +157,9 @@ def test_a_decode_whose_kv_never_came_loads_the_features_it_skipped(spec):
     sched.shutdown()
 
 
-def test_two_requests_share_one_copy_until_the_last_one_ends(spec):
-    store_feature(spec, "shared")
-    sched = scheduler(spec)
+def test_two_requests_share_one_copy_until_the_last_one_ends(store_spec):
+    store_feature(store_spec, "shared")
+    sched = scheduler(store_spec)
     first, second = request("a", feature("shared")), request("b", feature("shared"))
     assert decided(sched, first) and decided(sched, second)
     sched.request_finished(first)
@@ -180,8 +170,8 @@ def test_two_requests_share_one_copy_until_the_last_one_ends(spec):
     sched.shutdown()
 
 
-def test_the_producer_publishes_placeholder_metadata(spec):
-    sched = scheduler(spec, producer=True, consumer=False)
+def test_the_producer_publishes_placeholder_metadata(store_spec):
+    sched = scheduler(store_spec, producer=True, consumer=False)
     req = request("r5", feature("made"))
     assert sched.ensure_cache_available(req, 0) is True
     assert sched.store is None  # an encoder's scheduler side reads nothing
@@ -340,10 +330,10 @@ def test_staging_buffers_are_pinned_and_waited_for_without_spinning(monkeypatch)
     assert made == [{"blocking": True}]  # cudaEventBlockingSync: the thread sleeps
 
 
-def test_the_loader_pulls_hinted_features_and_a_request_finds_them_prefetched(spec):
-    store_feature(spec, "hinted")
+def test_the_loader_pulls_hinted_features_and_a_request_finds_them_prefetched(store_spec):
+    store_feature(store_spec, "hinted")
     port = free_port_block(1, start=29100)
-    with open_store(spec) as store:
+    with open_store(store_spec) as store:
         loader = FeatureLoader(store, budget_bytes=1 << 20, listen=("127.0.0.1", port))
         ctx = zmq.Context()
         push = ctx.socket(zmq.PUSH)
@@ -364,8 +354,8 @@ def test_the_loader_pulls_hinted_features_and_a_request_finds_them_prefetched(sp
             loader.close()
 
 
-def test_the_loader_keeps_prefetched_copies_within_its_budget_and_held_ones_beyond(spec):
-    with open_store(spec) as store:
+def test_the_loader_keeps_prefetched_copies_within_its_budget_and_held_ones_beyond(store_spec):
+    with open_store(store_spec) as store:
         for i in range(4):
             store.put(f"big-{i}", np.zeros(300_000, np.uint8), FeatureMeta((1,), "uint8"))
         loader = FeatureLoader(store, budget_bytes=700_000)

@@ -17,28 +17,21 @@ from epd_serve.connectors.epd_ec.settings import Settings
 from epd_serve.connectors.epd_ec.worker import EPDECWorker
 from epd_serve.mmstore import FeatureMeta, StoreError, open_store
 
-from ...stores import started_shm_store
 from .test_epd_ec import decided, feature, request, scheduler, step
 
 EMBEDS, HIDDEN = 4, 8
 
 
-@pytest.fixture(scope="module")
-def spec():
-    with started_shm_store("ec-failures", 8 << 20, port_start=29100) as spec:
-        yield spec
-
-
 @pytest.fixture
-def worker(spec):
-    made = EPDECWorker(Settings(store=spec), producer=False, consumer=True)
+def worker(store_spec):
+    made = EPDECWorker(Settings(store=store_spec), producer=False, consumer=True)
     yield made
     made.shutdown()
 
 
-def put(spec, key: str, rows: int = EMBEDS) -> torch.Tensor:
+def put(store_spec, key: str, rows: int = EMBEDS) -> torch.Tensor:
     feature = torch.arange(rows * HIDDEN, dtype=torch.float32).reshape(rows, HIDDEN)
-    with open_store(spec) as store:
+    with open_store(store_spec) as store:
         assert store.put(key, feature.numpy().view(np.uint8).reshape(-1),
                          FeatureMeta((rows, HIDDEN), "float32"))
     return feature
@@ -63,9 +56,9 @@ class StalledStore:
         self.store.close()
 
 
-def test_a_consumer_worker_loads_what_the_step_carries_without_the_store(spec, worker):
-    feature_ = put(spec, "ok")
-    sched = scheduler(spec)
+def test_a_consumer_worker_loads_what_the_step_carries_without_the_store(store_spec, worker):
+    feature_ = put(store_spec, "ok")
+    sched = scheduler(store_spec)
     req = request("r0", feature("ok"))
     assert decided(sched, req)
     sched.update_state_after_alloc(req, 0)
@@ -76,14 +69,14 @@ def test_a_consumer_worker_loads_what_the_step_carries_without_the_store(spec, w
     sched.shutdown()
 
 
-def test_a_feature_the_store_loses_after_the_promise_is_still_loaded(spec, worker):
+def test_a_feature_the_store_loses_after_the_promise_is_still_loaded(store_spec, worker):
     # A request queued past the store's lease (Mooncake: 5 s), or a hot image evicted
     # under pressure: the entry is gone by the time the step runs.
-    feature_ = put(spec, "lapsed")
-    sched = scheduler(spec)
+    feature_ = put(store_spec, "lapsed")
+    sched = scheduler(store_spec)
     req = request("r1", feature("lapsed"))
     assert decided(sched, req)
-    with open_store(spec) as store:
+    with open_store(store_spec) as store:
         assert store.delete("lapsed")
     sched.update_state_after_alloc(req, 0)
     cache: dict[str, torch.Tensor] = {}
@@ -92,9 +85,9 @@ def test_a_feature_the_store_loses_after_the_promise_is_still_loaded(spec, worke
     sched.shutdown()
 
 
-def test_a_store_that_fails_reads_turns_into_local_encoding(spec):
-    put(spec, "unreadable")
-    sched = scheduler(spec)
+def test_a_store_that_fails_reads_turns_into_local_encoding(store_spec):
+    put(store_spec, "unreadable")
+    sched = scheduler(store_spec)
     sched.loader.store = StalledStore(sched.loader.store, fails=True)
     with_pixels = request("r2", feature("unreadable", pixels=True))
     assert decided(sched, with_pixels) is True
@@ -106,9 +99,10 @@ def test_a_store_that_fails_reads_turns_into_local_encoding(spec):
     sched.shutdown()
 
 
-def test_a_store_that_stops_answering_keeps_a_request_waiting_no_longer_than_the_load_timeout(spec):
-    put(spec, "hanging")
-    sched = scheduler(spec, load_timeout_s=0.3)
+def test_a_store_that_stops_answering_keeps_a_request_waiting_no_longer_than_the_load_timeout(
+        store_spec):
+    put(store_spec, "hanging")
+    sched = scheduler(store_spec, load_timeout_s=0.3)
     stalled = sched.loader.store = StalledStore(sched.loader.store)
     req = request("r4", feature("hanging", pixels=True))
     assert sched.ensure_cache_available(req, 0) is False  # waits for the read...
@@ -119,9 +113,9 @@ def test_a_store_that_stops_answering_keeps_a_request_waiting_no_longer_than_the
     sched.shutdown()
 
 
-def test_the_scheduler_does_not_promise_a_feature_of_the_wrong_size(spec):
-    put(spec, "other-size", rows=EMBEDS - 1)  # `feature()` needs 4 embeddings
-    sched = scheduler(spec)
+def test_the_scheduler_does_not_promise_a_feature_of_the_wrong_size(store_spec):
+    put(store_spec, "other-size", rows=EMBEDS - 1)  # `feature()` needs 4 embeddings
+    sched = scheduler(store_spec)
     with_pixels = request("r5", feature("other-size", pixels=True))
     assert decided(sched, with_pixels) is True
     assert not sched.has_cache_item("other-size")  # the engine encodes it itself
@@ -146,8 +140,8 @@ class DeadStore:
         pass
 
 
-def test_an_encoder_whose_store_failed_a_put_skips_puts_for_a_moment(spec):
-    encoder = EPDECWorker(Settings(store=spec), producer=True, consumer=False)
+def test_an_encoder_whose_store_failed_a_put_skips_puts_for_a_moment(store_spec):
+    encoder = EPDECWorker(Settings(store=store_spec), producer=True, consumer=False)
     encoder.store.close()
     encoder.store = dead = DeadStore()
     cache = {key: torch.zeros(EMBEDS, HIDDEN) for key in ("a", "b", "c")}

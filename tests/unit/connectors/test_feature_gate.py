@@ -9,21 +9,11 @@ from __future__ import annotations
 import logging
 from types import SimpleNamespace
 
-import pytest
-
-from epd_serve.connectors import feature_gate
 from epd_serve.connectors.epd_kv.scheduler import EPDKVScheduler
 from epd_serve.connectors.epd_kv.settings import Settings as KVSettings
 
-from ...stores import started_shm_store
 from ...waiting import wait_for
 from .test_epd_ec import feature, request, scheduler, step, store_feature
-
-
-@pytest.fixture(scope="module")
-def spec():
-    with started_shm_store("gate-unit", 8 << 20, port_start=29200) as spec:
-        yield spec
 
 
 def kv_scheduler(vllm_config, role: str = "kv_producer") -> EPDKVScheduler:
@@ -32,9 +22,10 @@ def kv_scheduler(vllm_config, role: str = "kv_producer") -> EPDKVScheduler:
     return EPDKVScheduler(vllm_config, KVSettings(role=role))
 
 
-def test_prefill_keeps_a_request_waiting_through_the_kv_connector_until_its_feature_is_here(spec):
-    store_feature(spec, "gated")
-    ec = scheduler(spec)
+def test_prefill_keeps_a_request_waiting_through_the_kv_connector_until_its_feature_is_here(
+        store_spec):
+    store_feature(store_spec, "gated")
+    ec = scheduler(store_spec)
     kv = kv_scheduler(ec._vllm_config)
     req = request("g1", feature("gated"))
     req.kv_transfer_params = {"do_remote_decode": True}
@@ -50,8 +41,8 @@ def test_prefill_keeps_a_request_waiting_through_the_kv_connector_until_its_feat
     assert kv.get_num_new_matched_tokens(req, 0) == (0, False)
 
 
-def test_the_gate_serves_only_its_own_engine_and_decode_never_asks(spec):
-    ec = scheduler(spec)
+def test_the_gate_serves_only_its_own_engine_and_decode_never_asks(store_spec):
+    ec = scheduler(store_spec)
     other_engine = kv_scheduler(SimpleNamespace())
     decode = kv_scheduler(ec._vllm_config, role="kv_consumer")
     req = request("g2", feature("not-stored-anywhere"))
@@ -62,9 +53,9 @@ def test_the_gate_serves_only_its_own_engine_and_decode_never_asks(spec):
     ec.shutdown()
 
 
-def test_without_an_ask_first_has_cache_item_claims_a_copy_for_the_pass(spec):
-    store_feature(spec, "prefetched")
-    ec = scheduler(spec)
+def test_without_an_ask_first_has_cache_item_claims_a_copy_for_the_pass(store_spec):
+    store_feature(store_spec, "prefetched")
+    ec = scheduler(store_spec)
     ec.loader.hint(["prefetched"])  # the proxy's hint, read before the request arrives
     first, second = request("c1", feature("prefetched")), request("c2", feature("prefetched"))
     # A pass whose request could not be given blocks: claimed, never allocated.
@@ -87,9 +78,9 @@ def test_without_an_ask_first_has_cache_item_claims_a_copy_for_the_pass(spec):
     ec.shutdown()
 
 
-def test_without_an_ask_first_a_feature_not_here_is_encoded_and_counted(spec):
-    store_feature(spec, "late")
-    ec = scheduler(spec)
+def test_without_an_ask_first_a_feature_not_here_is_encoded_and_counted(store_spec):
+    store_feature(store_spec, "late")
+    ec = scheduler(store_spec)
     req = request("c3", feature("late", pixels=True))
     assert not ec.has_cache_item("late")  # no copy here: vLLM runs the encoder
     ec.update_state_after_alloc(req, 0)
@@ -99,9 +90,9 @@ def test_without_an_ask_first_a_feature_not_here_is_encoded_and_counted(spec):
     ec.shutdown()
 
 
-def test_a_claimed_copy_of_another_size_is_reported_not_loaded(spec, caplog):
-    store_feature(spec, "other-size")  # 4 rows
-    ec = scheduler(spec)
+def test_a_claimed_copy_of_another_size_is_reported_not_loaded(store_spec, caplog):
+    store_feature(store_spec, "other-size")  # 4 rows
+    ec = scheduler(store_spec)
     ec.loader.hint(["other-size"])
     req = request("c4", feature("other-size"))
     req.get_num_encoder_embeds = lambda index: 9
@@ -113,9 +104,9 @@ def test_a_claimed_copy_of_another_size_is_reported_not_loaded(spec, caplog):
     ec.shutdown()
 
 
-def test_once_the_scheduler_asks_first_has_cache_item_claims_nothing(spec):
-    store_feature(spec, "decided")
-    ec = scheduler(spec)
+def test_once_the_scheduler_asks_first_has_cache_item_claims_nothing(store_spec):
+    store_feature(store_spec, "decided")
+    ec = scheduler(store_spec)
     ec.loader.hint(["decided"])
     # Decode expecting the prompt's KV: asked, nothing needed, nothing decided.
     assert ec.ensure_cache_available(request("d1", feature("decided")), 100)

@@ -134,7 +134,7 @@ def main() -> int:
     import numpy as np
     from vllm.v1.core.sched import scheduler as vllm_scheduler
 
-    from epd_serve.engines.tinymodel import build_tiny_model
+    from epd_serve.models.tinymodel import build_tiny_model
     from epd_serve.mmstore import FeatureMeta, StoreSpec, open_store
     from epd_serve.mmstore.service import StartedStore
 

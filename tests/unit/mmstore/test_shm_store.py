@@ -6,13 +6,14 @@ from __future__ import annotations
 import multiprocessing
 import subprocess
 import threading
-import time
 import urllib.request
 
 import numpy as np
 import pytest
+import zmq
 
 from epd_serve.mmstore import FeatureMeta, StoreError, StoreSpec, open_store
+from epd_serve.mmstore import shm_wire as wire
 from epd_serve.mmstore.service import StartedStore
 from epd_serve.mmstore.shm_index import Index
 from epd_serve.mmstore.shm_layout import PAGE, SLOT_WORDS, Directory
@@ -114,16 +115,8 @@ def test_two_keys_for_one_slot_pair_evict_the_older_occupant():
 
 
 # -- the server and its clients ---------------------------------------------------------
-@pytest.fixture(scope="module")
-def spec():
-    base = free_port_block(2, start=26000)
-    spec = StoreSpec(backend="shm", port=base, metrics_port=base + 1,
-                     capacity_bytes=8 << 20, name="unit")
-    server = start_server(spec)
-    yield spec
-    server.terminate()
-    server.wait(timeout=10)
-    assert not arena_path(spec, server.pid).exists()  # the arena is removed on SIGTERM
+# `store_spec` (tests/unit/conftest.py): this module's running store, whose arena is
+# checked to be removed when its server is stopped with SIGTERM.
 
 
 def metrics(spec) -> dict[str, float]:
@@ -138,23 +131,23 @@ def _read_in_child(spec_json: str, key: str, queue) -> None:
         queue.put(None if found is None else (found[0].tobytes(), found[1]))
 
 
-def test_a_feature_put_by_one_process_is_read_by_another(spec):
+def test_a_feature_put_by_one_process_is_read_by_another(store_spec):
     data = np.random.default_rng(0).integers(0, 256, 300_000, dtype=np.uint8)
-    with open_store(spec) as store:
+    with open_store(store_spec) as store:
         assert store.put("cross", data, META) is True
         assert store.put("cross", data, META) is False  # already there
         assert store.lookup("cross") == META
     queue = multiprocessing.get_context("spawn").Queue()
     child = multiprocessing.get_context("spawn").Process(
-        target=_read_in_child, args=(spec.to_json(), "cross", queue))
+        target=_read_in_child, args=(store_spec.to_json(), "cross", queue))
     child.start()
     got, meta = queue.get(timeout=60)
     child.join(timeout=30)
     assert got == data.tobytes() and meta == META
 
 
-def test_missing_keys_are_none_and_deletes_and_pins_work(spec):
-    with open_store(spec) as store:
+def test_missing_keys_are_none_and_deletes_and_pins_work(store_spec):
+    with open_store(store_spec) as store:
         assert store.get("nope") is None and store.lookup("nope") is None
         assert store.pin("nope") is None
         store.put("pinned", np.ones(1000, np.uint8), META)
@@ -167,17 +160,18 @@ def test_missing_keys_are_none_and_deletes_and_pins_work(spec):
         assert store.delete("pinned") is True and store.get("pinned") is None
 
 
-def test_filling_past_capacity_evicts_and_never_fails(spec):
-    before = metrics(spec)
+def test_filling_past_capacity_evicts_and_never_fails(store_spec):
+    assert store_spec.capacity_bytes == 8 << 20  # what the numbers below follow from
+    before = metrics(store_spec)
     chunk = np.zeros(1 << 20, np.uint8)
-    with open_store(spec) as store:
+    with open_store(store_spec) as store:
         for i in range(20):  # 20 MiB into 8 MiB
             chunk[:8] = i
             assert store.put(f"fill-{i}", chunk, META) is True
         assert store.get("fill-0") is None
         latest = store.get("fill-19")
         assert latest is not None and latest[0][0] == 19
-    after = metrics(spec)
+    after = metrics(store_spec)
     assert after["epd_mmstore_evictions_total"] - before["epd_mmstore_evictions_total"] >= 12
     assert after["epd_mmstore_used_bytes"] <= 8 << 20
     assert after["epd_mmstore_puts_total"] - before["epd_mmstore_puts_total"] == 20
@@ -268,17 +262,32 @@ def test_an_engine_starting_waits_for_a_store_that_answers_late():
     base = free_port_block(2, start=26600)
     spec = StoreSpec(backend="shm", port=base, metrics_port=base + 1, capacity_bytes=1 << 20,
                      name="late")
+    # First a store too busy to answer: it takes what the client sends and says nothing.
+    context = zmq.Context()
+    busy = context.socket(zmq.ROUTER)
+    busy.setsockopt(zmq.LINGER, 0)
+    busy.bind(f"tcp://{spec.address}")
+    asked: list = []
+
+    def asked_again() -> bool:
+        while busy.poll(0):
+            asked.append(wire.request_decoder.decode(busy.recv_multipart()[-1]))
+        return len(asked) >= 2
+
     opened: list = []
     opening = threading.Thread(target=lambda: opened.append(open_store(spec, wait_s=60)))
     opening.start()
     server = None
     try:
-        # Time itself is what is tested: longer than one round trip's 2 s, so the
-        # first Hello has gone unanswered.
-        time.sleep(2.5)
-        assert opening.is_alive() and not opened  # no server yet: still asking
+        # A second Hello goes out only once the first one's round trip ended unanswered.
+        wait_for(asked_again, "the client asking again", timeout=30)
+        assert [type(req) for req in asked[:2]] == [wire.Hello, wire.Hello]
+        assert opening.is_alive() and not opened  # no answer yet: still asking
+        context.destroy(linger=0)  # the busy store goes; one that answers takes its port
         server = start_server(spec)
     finally:
+        if not context.closed:
+            context.destroy(linger=0)
         opening.join(timeout=60)
     try:
         (store,) = opened

@@ -3,7 +3,7 @@ profiler's search and fits against an engine whose costs are known."""
 
 import pytest
 
-from epd_serve.bench.metrics import SLO
+from epd_serve.bench.timings import SLO
 from epd_serve.bench.search import largest_passing
 from epd_serve.planner import budgets, profiler
 

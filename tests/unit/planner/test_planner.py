@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from epd_serve.bench import arrivals, workloads
-from epd_serve.bench.metrics import SLO
+from epd_serve.bench.timings import SLO
 from epd_serve.bench.workloads import ImageRef, RequestSpec
 from epd_serve.planner import planner, simulator
 from epd_serve.topology import notation

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from epd_serve.bench import arrivals, workloads
-from epd_serve.bench.metrics import SLO
+from epd_serve.bench.timings import SLO
 from epd_serve.bench.report import write_report
 from epd_serve.bench.runner import LoadSpec
 from epd_serve.bench.workloads import ImageRef, RequestSpec

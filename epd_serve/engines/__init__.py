@@ -1,1 +1,0 @@
-"""One vLLM engine process: the HAL that builds it, KV protocols, its counters and flags, a tiny model."""

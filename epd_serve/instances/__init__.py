@@ -1,0 +1,1 @@
+"""Running instances seen from outside: the requests we send them, the counters and logs they report."""

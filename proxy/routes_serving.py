@@ -1,0 +1,194 @@
+"""The routes that serve the model: chat and text completions, the model list, and the
+metaserver URL a request's decode instance reports its KV blocks to.
+
+Runs in the proxy process. A generation request is admitted within the proxy's limits
+and its body read (admission.py: 503, 408, 413, 429), parsed once and checked before any
+engine sees it (request.py), its media keyed by the proxy (`seal`), served by
+pipeline.py and answered here, streamed or whole, with `x-epd-stages`, `x-request-id`
+and `x-epd-trace-id`; every request leaves one line in the request log and a timeline
+in the trace store. Handlers reach the running Proxy as `request.app[PROXY]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import msgspec
+from aiohttp import web
+
+from epd_serve.proxy.context import PROXY, TENANT, Proxy
+from epd_serve.proxy.errors import ProxyError, bad_request
+from epd_serve.proxy.metrics import ProxyMetrics
+from epd_serve.proxy.pipeline import Request
+from epd_serve.proxy.request import ParsedRequest, parse_request
+from epd_serve.proxy.tenancy import Tenant
+from epd_serve.proxy.timeline import client_trace_id, new_timeline_id, timeline_of
+from epd_serve.proxy.trip import Trip
+
+# The proxy's own logger names, so log settings and tests that read them still apply.
+log = logging.getLogger("epd_serve.proxy")
+request_log = logging.getLogger("epd_serve.proxy.requests")
+
+STAGES_HEADER = "x-epd-stages"
+TRACE_HEADER = "x-epd-trace-id"  # the request's timeline: GET /v1/traces/{this id}
+GENERATE_ROUTES = ("/v1/chat/completions", "/v1/completions")
+METASERVER = "/v1/metaserver/"
+# The largest report a decode instance posts to its metaserver URL (block ids).
+MAX_METASERVER_BODY = 1 << 20
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    # A place is taken before the body is read: past the limits it is refused unread.
+    with request.app[PROXY].admission.admit() as ticket:
+        return await serve(request, ticket)
+
+
+async def serve(request: web.Request, ticket) -> web.StreamResponse:
+    proxy = request.app[PROXY]
+    arrived = time.perf_counter()
+    received_ns = time.time_ns()
+    tenant = request[TENANT]
+    parsed = await _parse(request, proxy, tenant, ticket)
+    client_id, engine_id = proxy.request_ids_for(request.headers.get("x-request-id", ""))
+    timeline_id = new_timeline_id()
+    req = Request(parsed, request_id=engine_id, fault=request.headers.get("x-epd-fault"),
+                  trace_id=client_trace_id(request.headers.get("traceparent"))
+                  or timeline_id)
+    metrics = proxy.metrics
+    trip: Trip | None = None
+    stages = None  # x-epd-stages as answered; a stream's grows until its end
+    status = 500
+    try:
+        trip, result = await proxy.pipeline.run(req)
+        stages = trip.header()
+        headers = {STAGES_HEADER: stages, "x-request-id": client_id,
+                   TRACE_HEADER: timeline_id}
+        if not req.stream:
+            status = 200
+            _observe_transfer(metrics, trip)
+            return web.Response(body=msgspec.json.encode(result), headers=headers,
+                                content_type="application/json")
+        response = web.StreamResponse(headers=headers)
+        response.content_type = "text/event-stream"
+        status = 200
+        broken = await _relay(request, response, result, metrics, trip, arrived)
+        if broken is not None:  # the client was told inside the stream
+            status = broken.status
+            metrics.failures.labels(broken.reason).inc()
+            log.warning("%s %s -> %d mid-stream: %s", request.method, request.path,
+                        broken.status, broken.message)
+        return response
+    except ProxyError as err:
+        status = err.status
+        raise
+    except asyncio.CancelledError:
+        status = 499  # the client went away: every hop was closed on the way out
+        raise
+    finally:
+        modality = "multimodal" if trip and trip.multimodal else "text"
+        metrics.child(metrics.requests, modality, str(status)).inc()
+        if trip is not None:
+            proxy.traces.add(timeline_of(trip, timeline_id, tenant.name, client_id,
+                                         status, received_ns))
+            if stages is None or req.stream:  # a stream's hops have ended since
+                stages = trip.header()
+        request_log.info(msgspec.json.encode({
+            "request_id": client_id, "engine_request_id": engine_id,
+            "tenant": tenant.name, "path": req.path, "status": status,
+            "stream": req.stream, "modality": modality,
+            "stages": stages or "", "retries": trip.retries if trip else 0,
+            "ms": round((time.perf_counter() - arrived) * 1e3, 2)}).decode())
+
+
+async def _parse(request: web.Request, proxy: Proxy, tenant: Tenant,
+                 ticket) -> ParsedRequest:
+    """The request's body read within its admission, parsed, its remote media fetched
+    and every media item keyed in `tenant`'s namespace."""
+    limits = proxy.config.limits
+    raw = await proxy.admission.read_body(request, ticket, limits.max_body_bytes)
+    parsed = parse_request(raw, request.path, limits, proxy.client_kv_keys)
+    del raw  # nothing needs the raw body past parsing: let it go before the downloads
+    downloads = parsed.downloads()
+    if downloads:
+        if proxy.fetcher is None:  # parse_request refuses them: defence in depth
+            raise bad_request("remote media URLs are off in this deployment",
+                              "remote_url_disabled")
+        await proxy.fetcher.inline(downloads, ticket)
+    parsed.seal(proxy.key_of(tenant, parsed), tenant.cache_salt(parsed.client_salt))
+    return parsed
+
+
+async def _relay(request: web.Request, response: web.StreamResponse, stream, metrics,
+                 trip: Trip, arrived: float) -> ProxyError | None:
+    """Pass the answer on as it comes, timing the first event and the ones after it.
+    If the client leaves, the write fails (or the handler is cancelled) and closing the
+    stream closes the instance's connection, which makes its engine abort. If the
+    instance breaks off (or hangs) mid-stream, the status has long been sent: the
+    stream ends with an error event, as vLLM ends one that fails, and the error is
+    returned."""
+    first = last = None
+    events = 0
+    broken = None
+    async with contextlib.aclosing(stream):
+        await response.prepare(request)
+        try:
+            async for chunk in stream:
+                now = time.perf_counter()
+                if first is None:
+                    first = now
+                events += chunk.count(b"data: ")
+                last = now
+                await response.write(chunk)
+                trip.relayed_ns.append(time.time_ns())
+        except ProxyError as err:
+            broken = err
+            # An event may have been cut mid-line: start the error on a line of its own.
+            await response.write(b"\n\ndata: " + msgspec.json.encode(err.to_body())
+                                 + b"\n\ndata: [DONE]\n\n")
+    await response.write_eof()
+    final = next((s.instance for s in reversed(trip.stages)
+                  if s.stage == trip.final_hop and not s.failed), "?")
+    if first is not None:
+        metrics.child(metrics.first_token_seconds, final).observe(first - arrived)
+        if events > 2 and broken is None:  # the last event is [DONE]
+            metrics.child(metrics.token_seconds, final).observe(
+                (last - first) / (events - 2))
+    return broken
+
+
+def _observe_transfer(metrics: ProxyMetrics, trip: Trip) -> None:
+    """The KV hand-off's own timing, where its answer reports one (non-streamed)."""
+    transfer_ms = (trip.kv or {}).get("transfer_ms")
+    decode = next((s.instance for s in trip.stages if s.stage == "D" and not s.failed), None)
+    if isinstance(transfer_ms, (int, float)) and decode:
+        metrics.child(metrics.transfer_seconds, decode).observe(transfer_ms / 1e3)
+
+
+async def models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [
+        {"id": request.app[PROXY].config.model, "object": "model", "owned_by": "epd-serve"}]})
+
+
+async def metaserver(request: web.Request) -> web.Response:
+    """Decode instances of the ascend-layerwise hand-off report their blocks here,
+    each at the URL made for its request. Nothing is read from a caller without such
+    a URL; the report is not counted in admission, since every request in flight
+    may be waiting for its own."""
+    token = request.match_info["token"]
+    handoff = request.app[PROXY].pipeline.handoff
+    if not handoff.expects_report(token):
+        raise ProxyError(404, "no request is waiting for its blocks at this metaserver "
+                         "URL", "invalid_request_error", reason="unknown_metaserver")
+    if request.content_length is None or request.content_length > MAX_METASERVER_BODY:
+        raise bad_request(f"a metaserver report takes a Content-Length of at most "
+                          f"{MAX_METASERVER_BODY} bytes", "body_too_large", 413)
+    try:
+        body = msgspec.json.decode(await request.read())
+    except msgspec.DecodeError:
+        raise bad_request("metaserver body is not JSON", "malformed") from None
+    if not isinstance(body, dict):
+        raise bad_request("metaserver body must be a JSON object", "malformed")
+    return web.json_response(await handoff.metaserver(token, body))

@@ -1,0 +1,59 @@
+"""The trace routes: the engines' span exports taken in, and each request's timeline
+given back to the tenant whose request it was.
+
+Runs in the proxy process. Engines post OTLP/HTTP spans with the deployment's internal
+token (the door in app.py checks it); clients read timelines with their own API key, by
+`x-epd-trace-id` or request id. Handlers reach the running Proxy as `request.app[PROXY]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+
+from epd_serve.proxy.context import PROXY, TENANT
+from epd_serve.proxy.errors import ProxyError, bad_request
+from epd_serve.proxy.timeline import parse_otlp
+
+
+async def receive_spans(request: web.Request) -> web.Response:
+    """OTLP/HTTP (protobuf) trace export: the engines' spans of our requests. Counted
+    like a request (admission), parsed on a worker thread."""
+    proxy = request.app[PROXY]
+    if request.content_type != "application/x-protobuf":
+        raise bad_request("OTLP traces are taken as application/x-protobuf "
+                          "(OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf)",
+                          "malformed", 415)
+    with proxy.admission.admit() as ticket:
+        raw = await proxy.admission.read_body(request, ticket,
+                                              proxy.config.limits.max_trace_body_bytes)
+        try:
+            spans = await asyncio.to_thread(parse_otlp, bytes(raw))
+        except Exception as err:  # protobuf's DecodeError and friends
+            raise bad_request(f"not an OTLP trace export: {type(err).__name__}: {err}",
+                              "malformed") from None
+    proxy.traces.add_engine_spans(spans)
+    return web.Response(body=b"", content_type="application/x-protobuf")
+
+
+async def get_trace(request: web.Request) -> web.Response:
+    traces = request.app[PROXY].traces
+    key = request.match_info["id"]
+    timeline = traces.get(key, request[TENANT].name)
+    if timeline is None:
+        raise ProxyError(404, f"no timeline of {key!r}: the proxy keeps the last "
+                         f"{traces.capacity} requests' (by x-epd-trace-id, or by "
+                         "request id), each readable with its own API key",
+                         "invalid_request_error", reason="unknown_trace")
+    return web.json_response(timeline.to_dict())
+
+
+async def recent_traces(request: web.Request) -> web.Response:
+    try:
+        last = int(request.query.get("last", "20"))
+    except ValueError:
+        raise bad_request("last: a whole number of requests", "malformed") from None
+    return web.json_response([
+        {k: v for k, v in t.to_dict().items() if k != "spans"}
+        for t in request.app[PROXY].traces.recent(max(0, last), request[TENANT].name)])

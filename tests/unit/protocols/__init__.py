@@ -1,0 +1,1 @@
+"""Tests of the hand-off parameter structs and the protocol registry."""

@@ -1,0 +1,311 @@
+"""The proxy against hostile clients, in front of fake instances that record what they
+are sent: media identities and cache salts only the proxy writes, tenants that share
+nothing, a forged metaserver report, slow uploads, a flood of span exports, the
+proxy's own connection limits, and engine request ids nobody can guess."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import json
+import re
+import select
+import socket
+import threading
+import types
+
+import aiohttp
+import httpx
+import pytest
+
+from epd_serve.instances.payloads import chat_body
+from epd_serve.proxy import admission as admission_mod
+from epd_serve.proxy.admission import requests_for_descriptors
+from epd_serve.proxy.config import ProxyConfig
+from epd_serve.proxy.errors import ProxyError
+from epd_serve.proxy.guards import Limits
+from epd_serve.proxy.handoff.ascend_layerwise import AscendLayerwise
+from epd_serve.proxy.routing import RouteRequest
+from epd_serve.proxy.tenancy import Tenants, image_key
+from epd_serve.proxy.trip import Trip
+
+from tests.waiting import wait_for
+from .harness import IMAGE, chat, deployment, tiny_image
+
+OTHER = tiny_image(seed=9)
+
+
+def parts_sent(d, name: str) -> list[dict]:
+    return [p for r in d.seen(name) for m in r["body"].get("messages", [])
+            if isinstance(m.get("content"), list) for p in m["content"]
+            if p.get("type") != "text"]
+
+
+# -- identities -------------------------------------------------------------------------
+def test_no_uuid_a_client_writes_reaches_any_instance():
+    target = image_key("fake", OTHER)
+    body = chat_body("fake", "look", max_tokens=2)
+    body["messages"][0]["content"] = [
+        {"type": "image_url", "image_url": {"url": IMAGE}, "uuid": target},
+        {"type": "input_image", "image_url": IMAGE, "uuid": target},
+        {"type": "image", "image": IMAGE, "uuid": target},
+        {"type": "text", "text": "look"}]
+    with deployment(["E", "P", "D"]) as d:
+        resp = d.client.post("/v1/chat/completions", json=body)
+        assert resp.status_code == 200, resp.text
+        sent = [p for name in ("e0", "p1", "d2") for p in parts_sent(d, name)]
+        assert sent and {p["uuid"] for p in sent} == {image_key("fake", IMAGE)}
+        assert all(p["type"] == "image_url" for p in sent)
+        # The encoder computed each image once, under the proxy's key.
+        assert len(d.seen("e0")) == 1
+
+
+@pytest.mark.parametrize("body, words", [
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "$.messages[0].role"),
+    ({"messages": [{"role": "user", "content": "x"}], "ec_transfer_params": {}}, "ec_transfer"),
+    ({"messages": [{"role": "user", "content": [
+        {"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 2, 2]},
+         "uuid": "0" * 64}]}]}, "image_embeds"),
+])
+def test_bad_and_forged_requests_are_refused_before_any_instance(body, words):
+    with deployment(["E", "P", "D"]) as d:
+        resp = d.client.post("/v1/chat/completions", json={"model": "fake", **body})
+        assert resp.status_code == 400 and words in resp.json()["error"]["message"]
+        assert d.seen("e0") == d.seen("p1") == d.seen("d2") == []
+
+
+def test_tenants_get_their_own_keys_and_cache_salts(monkeypatch):
+    monkeypatch.setenv("EPD_TEST_KEYS", "alice,bob")
+    with deployment(["E", "P", "D"], api_key_env="EPD_TEST_KEYS",
+                    client_headers={"authorization": "Bearer alice"}) as d:
+        sent = {}
+        for who in ("alice", "bob"):
+            resp = chat(d, "look", [IMAGE], max_tokens=2,
+                        headers={"authorization": f"Bearer {who}"})
+            assert resp.status_code == 200, resp.text
+            sent[who] = (parts_sent(d, "e0")[-1]["uuid"], d.seen("p1")[-1]["body"]["cache_salt"],
+                         d.seen("d2")[-1]["body"]["cache_salt"])
+        tenants = Tenants(["alice", "bob"], isolate=True)
+        for who in ("alice", "bob"):
+            tenant = tenants.for_key(who)
+            assert sent[who] == (image_key("fake", IMAGE, tenant), tenant.cache_salt(None),
+                                 tenant.cache_salt(None))
+        assert len({sent["alice"][0], sent["bob"][0], image_key("fake", IMAGE)}) == 3
+        assert sent["alice"][1] != sent["bob"][1]
+        assert chat(d, "x", headers={"authorization": "Bearer carol"}).status_code == 401
+
+
+def test_tenant_isolation_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("EPD_TEST_KEYS", "alice")
+    with deployment(["E", "P", "D"], api_key_env="EPD_TEST_KEYS", tenant_isolation=False,
+                    client_headers={"authorization": "Bearer alice"}) as d:
+        assert chat(d, "look", [IMAGE], max_tokens=2).status_code == 200
+        assert parts_sent(d, "e0")[0]["uuid"] == image_key("fake", IMAGE)
+        assert "cache_salt" not in d.seen("p1")[0]["body"]
+
+
+def test_engine_request_ids_are_unguessable():
+    with deployment(["P", "D"]) as d:
+        ids = []
+        for _ in range(3):
+            assert chat(d, "x").status_code == 200
+            ids.append(d.seen("p0")[-1]["request_id"])
+        assert all(re.fullmatch(r"epd-[0-9a-f]{24}", i) for i in ids) and len(set(ids)) == 3
+
+
+# -- the KV metaserver ----------------------------------------------------------------
+class HeldDecode:
+    """An upstream whose decode hop waits until released; prefill hops are recorded."""
+
+    def __init__(self):
+        self.started = asyncio.Event()
+        self.release = asyncio.Event()
+        self.prefills: list[dict] = []
+
+    async def post(self, hop, path, body, trip, candidates=None):
+        if hop == "P":
+            self.prefills.append(body)
+            return types.SimpleNamespace(name="p0"), {}
+        self.started.set()
+        await self.release.wait()
+        return types.SimpleNamespace(name="d0"), {"choices": []}
+
+
+# A whole report of vllm-ascend's decode scheduler (protocols/ascend_layerwise.py).
+BLOCKS = {"token_ids": [], "remote_block_ids": [[1]], "remote_block_size": [128],
+          "remote_engine_id": "e", "remote_port": 1, "remote_tp_size": 1,
+          "remote_pcp_size": 1, "remote_dcp_size": 1, "remote_cached_tokens": 0}
+
+
+def test_a_forged_metaserver_report_is_refused():
+    async def scenario():
+        upstream = HeldDecode()
+        handoff = AscendLayerwise(upstream, ProxyConfig(model="m", instances=[],
+                                                        host="127.0.0.1"))
+        trip = Trip("client-epd-0123456789abcdef01234567", False, RouteRequest())
+        request = asyncio.create_task(handoff.complete("/v1/chat/completions",
+                                                       {"messages": []}, trip, []))
+        await upstream.started.wait()
+        (token,) = handoff._pending
+        real_id = f"chatcmpl-{trip.request_id}"
+        forged = {"request_id": real_id, "remote_host": "10.6.6.6", "remote_port": 1}
+        # Knowing the request's id is not enough: the report is taken only at the URL
+        # made for it, and only for that request.
+        with pytest.raises(ProxyError) as elsewhere:
+            await handoff.metaserver("guessed-token", forged)
+        with pytest.raises(ProxyError) as other_request:
+            await handoff.metaserver(token, {**forged, "request_id": "chatcmpl-other"})
+        assert (elsewhere.value.status, other_request.value.status) == (404, 403)
+        assert upstream.prefills == []
+        await handoff.metaserver(token, {**BLOCKS, "request_id": real_id,
+                                         "remote_host": "10.0.0.2"})
+        assert upstream.prefills[0]["kv_transfer_params"]["remote_host"] == "10.0.0.2"
+        upstream.release.set()
+        await request
+
+    asyncio.run(scenario())
+
+
+# -- admission ----------------------------------------------------------------------------
+def slow_upload(url: str, announced: int) -> socket.socket:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\n"
+                 f"Content-Type: application/json\r\nContent-Length: {announced}\r\n\r\n"
+                 '{"messages": ['.encode())
+    return sock
+
+
+def status_line(sock: socket.socket) -> bytes:
+    with sock:
+        return sock.recv(256).split(b"\r\n", 1)[0]
+
+
+def test_slow_uploads_hold_only_what_they_sent_and_are_cut_off():
+    limits = {"max_body_bytes": 8 << 20, "max_body_bytes_in_flight": 16 << 20,
+              "upload_grace_s": 1.0, "min_upload_bytes_per_s": 1024}
+    with deployment(["P", "D"], limits=limits) as d:
+        # Eight uploads announcing 8 MiB each: four times the byte budget, if announced
+        # bytes counted. They hold only what they sent.
+        slow = [slow_upload(d.proxy.url, 8 << 20) for _ in range(8)]
+        for _ in range(3):
+            assert chat(d, "x").status_code == 200
+        # Served while the uploads hang: none of them has an answer yet, and what they
+        # sent is still held.
+        assert select.select(slow, [], [], 0)[0] == []
+        assert 0 < d.proxy.proxy.admission.body_bytes < 1024
+        # Cut off by the slow-upload rule (the clients would wait 30 s for anything else).
+        assert {status_line(s) for s in slow} == {b"HTTP/1.1 408 Request Timeout"}
+        wait_for(lambda: d.proxy.proxy.admission.body_bytes == 0, "bytes given back")
+
+
+def test_one_address_may_send_only_so_many_bodies_at_once():
+    with deployment(["P", "D"], limits={"max_uploads_per_client": 2, "upload_grace_s": 2.0}) as d:
+        slow = [slow_upload(d.proxy.url, 1 << 20) for _ in range(2)]
+        wait_for(lambda: sum(d.proxy.proxy.admission.uploads.values()) == 2, "uploads open")
+        resp = chat(d, "x")
+        assert resp.status_code == 429 and "max_uploads_per_client" in resp.text
+        for sock in slow:
+            status_line(sock)
+        assert chat(d, "x").status_code == 200
+
+
+def test_a_body_larger_than_announced_or_allowed_is_refused():
+    with deployment(["P", "D"], limits={"max_body_bytes": 4096}) as d:
+        chunked = d.client.post("/v1/chat/completions",
+                                content=iter([b'{"messages": [' + b" " * 5000, b"]}"]),
+                                headers={"content-type": "application/json"})
+        assert chunked.status_code == 413 and "max_body_bytes" in chunked.text
+        assert d.seen("p0") == []
+
+
+def test_a_flood_of_span_exports_is_refused_without_the_token_and_bounded_with_it(
+        monkeypatch):
+    monkeypatch.setenv("EPD_INTERNAL_TOKEN", "engines-only")
+    with deployment(["P", "D"], limits={"max_trace_body_bytes": 64 << 10}) as d:
+        url = f"{d.proxy.url}/v1/traces"
+        protobuf = {"content-type": "application/x-protobuf"}
+        stop = threading.Event()
+        codes: list[int] = []
+
+        def flood():
+            with httpx.Client(timeout=30) as client:
+                while not stop.is_set():
+                    for headers in (protobuf, {**protobuf, "x-epd-internal-token":
+                                               "engines-only"}):
+                        try:
+                            codes.append(client.post(url, content=b"\0" * (1 << 20),
+                                                     headers=headers).status_code)
+                        except httpx.TransportError:
+                            # Refused before its body was read: the proxy may close the
+                            # connection while the flooder is still writing.
+                            codes.append(0)
+
+        flooders = [threading.Thread(target=flood) for _ in range(4)]
+        for t in flooders:
+            t.start()
+        try:
+            wait_for(lambda: len(codes) >= 8, "the flood under way")
+            for _ in range(5):
+                assert chat(d, "x").status_code == 200
+        finally:
+            stop.set()
+            for t in flooders:
+                t.join()
+        assert {401, 413} <= set(codes) <= {0, 401, 413}, set(codes)
+        assert d.proxy.proxy.admission.body_bytes == 0
+
+
+# -- the proxy's own limits -----------------------------------------------------------
+def test_the_proxys_own_connection_failure_fails_the_request_and_spares_the_instance():
+    with deployment(["P", "D"]) as d:
+        upstream = d.proxy.proxy.pipeline.upstream
+        real = upstream._request
+        calls = []
+
+        async def out_of_descriptors(inst, path, payload, headers):
+            calls.append(inst.name)
+            if len(calls) == 1:
+                key = types.SimpleNamespace(host="127.0.0.1", port=1, ssl=None)
+                raise aiohttp.ClientConnectorError(
+                    key, OSError(errno.EMFILE, "Too many open files"))
+            return await real(inst, path, payload, headers)
+
+        d.proxy.call(setattr, upstream, "_request", out_of_descriptors)
+        resp = chat(d, "x")
+        assert resp.status_code == 503 and "out of connections" in resp.json()["error"]["message"]
+        assert resp.headers["retry-after"]
+        assert all(i["healthy"] for i in d.client.get("/status").json()["instances"])
+        assert chat(d, "x").status_code == 200
+
+
+def test_admission_is_sized_to_the_descriptors_the_process_may_open(monkeypatch):
+    assert requests_for_descriptors(Limits(), 1 << 20) == 4096
+    assert requests_for_descriptors(Limits(), 1024) == (1024 - 256) // 4
+    calls = []
+    monkeypatch.setattr(admission_mod.resource, "getrlimit", lambda which: (1024, 65536))
+    monkeypatch.setattr(admission_mod.resource, "setrlimit",
+                        lambda which, limits: calls.append(limits))
+    assert admission_mod.descriptor_budget() == 65536 and calls == [(65536, 65536)]
+
+
+def test_unknown_roles_are_a_400_naming_the_field():
+    with deployment(["P", "D"]) as d:
+        resp = d.client.post("/v1/chat/completions", content=json.dumps(
+            {"model": "fake", "messages": [{"role": "user", "content": "hi"},
+                                           {"role": "wizard", "content": "obey"}]}),
+            headers={"content-type": "application/json"})
+        assert resp.status_code == 400
+        assert "`$.messages[1].role`" in resp.json()["error"]["message"]
+
+
+def test_keys_come_from_one_variable_and_the_deployments_tools_send_the_first(monkeypatch):
+    from epd_serve.proxy.tenancy import keys_in, own_key
+
+    monkeypatch.setenv("EPD_TEST_KEYS", " alice , bob,,")
+    assert keys_in("EPD_TEST_KEYS") == ["alice", "bob"] and own_key("EPD_TEST_KEYS") == "alice"
+    assert keys_in(None) == [] and own_key(None) is None
+    # A deployment that names a variable must not serve openly when it is empty.
+    monkeypatch.setenv("EPD_TEST_KEYS", " , ")
+    with pytest.raises(ValueError, match="EPD_TEST_KEYS"):
+        Tenants.from_env("EPD_TEST_KEYS", None)
