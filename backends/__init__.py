@@ -1,4 +1,4 @@
-"""HAL implementations, one subpackage per platform, and the registry that finds them by name.
+"""The HAL: its interface (hal.py), one implementation per platform, the registry by name.
 
 Each subpackage exposes `PLATFORM`, an `epd_serve.backends.hal.Platform`. Importing one
 must not import its hardware packages: those load lazily in `check_available()`.

@@ -1,6 +1,6 @@
 """The one error type of the proxy: whatever goes wrong with a request becomes a
-ProxyError with the HTTP status and message the client gets (app.py turns it into an
-OpenAI-style error body). Imported by every proxy module; imports nothing of ours."""
+ProxyError with the HTTP status and message the client gets (app.py's middleware turns
+it into an OpenAI-style error body). Imported by every proxy module; imports nothing of ours."""
 
 from __future__ import annotations
 

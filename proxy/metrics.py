@@ -2,7 +2,7 @@
 
 Runs inside the proxy process; one registry per app (tests run several proxies in one
 process). Hop latencies are observed where a hop's lease closes (upstream.py), request
-outcomes where the route answers (app.py). The labelled series a request touches are
+outcomes where the route answers (routes_serving.py). The labelled series a request touches are
 looked up through `child`, which keeps each one found: prometheus_client's own
 `labels()` validates and locks on every call, a dozen times per request.
 """

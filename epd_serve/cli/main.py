@@ -292,6 +292,24 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("out", help="output directory")
     t.set_defaults(func=cmd_model)
 
+    _add_running_parsers(sub)
+    _add_inspecting_parsers(sub)
+    add_doctor_parser(sub)
+
+    p = sub.add_parser("demo", help="bring up E-P-D on the CPU, show each stage, run a short load")
+    p.add_argument("--config", required=True,
+                   help="a CPU deployment file (scripts/demo.sh gives configs/cpu/e-p-d.yaml)")
+    p.add_argument("--requests", type=int, default=24, help="requests in the short load run")
+    p.add_argument("--out", default="results/demo", help="where the load report goes")
+    p.set_defaults(func=cmd_demo)
+
+    add_bench_parser(sub)
+    add_planner_parsers(sub)
+    return parser
+
+
+def _add_running_parsers(sub) -> None:
+    """up, down, launch, check-flags: starting, stopping and checking a deployment."""
     p = sub.add_parser("up", help="start a deployment and supervise it until Ctrl-C")
     p.add_argument("config", help="deployment file, e.g. configs/cpu/e-p-d.yaml")
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up requests")
@@ -317,6 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable report")
     p.set_defaults(func=cmd_check_flags)
 
+
+def _add_inspecting_parsers(sub) -> None:
+    """status, trace: asking a running deployment's proxy."""
     p = sub.add_parser("status", help="the proxy's live instance table")
     p.add_argument("config", nargs="?", help="deployment file; its proxy is asked")
     p.add_argument("--url", help=f"proxy base URL instead of a file (default {DEFAULT_PROXY_URL})")
@@ -335,19 +356,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--png", metavar="FILE", help="also draw the waterfall into FILE")
     p.add_argument("--json", action="store_true", help="print the timeline's raw JSON")
     p.set_defaults(func=cmd_trace)
-
-    add_doctor_parser(sub)
-
-    p = sub.add_parser("demo", help="bring up E-P-D on the CPU, show each stage, run a short load")
-    p.add_argument("--config", required=True,
-                   help="a CPU deployment file (scripts/demo.sh gives configs/cpu/e-p-d.yaml)")
-    p.add_argument("--requests", type=int, default=24, help="requests in the short load run")
-    p.add_argument("--out", default="results/demo", help="where the load report goes")
-    p.set_defaults(func=cmd_demo)
-
-    add_bench_parser(sub)
-    add_planner_parsers(sub)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

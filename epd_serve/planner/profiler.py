@@ -289,15 +289,36 @@ def measure(prober: Prober, base: Profile, slo: SLO, max_tokens: int = 2048,
         ys.append(encode_only(n, size))
     fixed_e, per_image, per_vtoken = _fit(rows, ys)
 
+    costs = {"fixed_d": fixed_d, "per_token": per_token, "per_seq": per_seq, "mm_once": mm_once,
+             "fixed_e": fixed_e, "per_image": per_image, "per_vtoken": per_vtoken,
+             "hop_ms": hop_ms}
+    budgets_found = {"E": e_budget, "P": p_budget, "PD": pd_budget, "D": d_budget}
+    points = {
+        "prefill": [[n, round(ms, 2)] for n, ms in sorted(prefill_cache.items())],
+        "decode": [[n, round(ms, 2)] for n, ms in sorted(decode_cache.items())],
+        "decode_short": [[short, round(decode_text, 2), round(decode_image, 2)]],
+        "chat": [[chat_tokens, round(chat_ms, 2)]],
+        "images": [[n, size, round(ms, 2)] for (n, size), ms in sorted(encode_cache.items())],
+    }
+    return _measured_profile(base, slo, costs, budgets_found, tokens_per_image, points)
+
+
+def _measured_profile(base: Profile, slo: SLO, costs: dict[str, float],
+                      found: dict[str, int], tokens_per_image: int,
+                      points: dict[str, list]) -> Profile:
+    """`base` with the measured costs, the budgets found and the engine flags they give,
+    and the measured points kept for the report."""
     profile = base.model_copy(deep=True)
-    profile.llm = LLMCost(fixed_ms=float(fixed_d), per_prefill_token_ms=float(per_token),
-                          per_decode_seq_ms=float(per_seq),
+    profile.llm = LLMCost(fixed_ms=float(costs["fixed_d"]),
+                          per_prefill_token_ms=float(costs["per_token"]),
+                          per_decode_seq_ms=float(costs["per_seq"]),
                           per_context_token_ms=base.llm.per_context_token_ms,
-                          mm_decode_once_ms=float(mm_once))
-    profile.encoder = EncoderCost(fixed_ms=float(fixed_e), per_image_ms=float(per_image),
-                                  per_token_ms=float(per_vtoken))
-    profile.transfers = base.transfers.model_copy(
-        update={"hop_ms": float(hop_ms)})
+                          mm_decode_once_ms=float(costs["mm_once"]))
+    profile.encoder = EncoderCost(fixed_ms=float(costs["fixed_e"]),
+                                  per_image_ms=float(costs["per_image"]),
+                                  per_token_ms=float(costs["per_vtoken"]))
+    profile.transfers = base.transfers.model_copy(update={"hop_ms": float(costs["hop_ms"])})
+    e_budget, p_budget, pd_budget, d_budget = found["E"], found["P"], found["PD"], found["D"]
     profile.measured = {
         "slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms},
         "budgets": {"E": {"images": e_budget, "visual_tokens_per_image": tokens_per_image},
@@ -309,13 +330,7 @@ def measure(prober: Prober, base: Profile, slo: SLO, max_tokens: int = 2048,
                 tokens={"P": p_budget, "EP": p_budget, "E": 0}.get(role, max(pd_budget, d_budget)),
                 seqs=d_budget if "D" in role else 0), tokens_per_image)
             for role in ("E", "P", "D", "PD", "EPD")},
-        "points_ms": {
-            "prefill": [[n, round(ms, 2)] for n, ms in sorted(prefill_cache.items())],
-            "decode": [[n, round(ms, 2)] for n, ms in sorted(decode_cache.items())],
-            "decode_short": [[short, round(decode_text, 2), round(decode_image, 2)]],
-            "chat": [[chat_tokens, round(chat_ms, 2)]],
-            "images": [[n, size, round(ms, 2)] for (n, size), ms in sorted(encode_cache.items())],
-        },
+        "points_ms": points,
     }
     return profile
 

@@ -2,8 +2,9 @@
 
 Load it in vLLM with `"kv_connector": "EPDKVConnector",
 "kv_connector_module_path": "epd_serve.connectors.epd_kv"`. The facade is
-connector.py; scheduler.py and worker.py (sender.py / receiver.py) are its two sides,
-messages.py what they say, layout.py / grouping.py / transfer.py / drain.py /
+connector.py; scheduler.py and worker.py are its two sides (the worker's prefill
+side: sender.py, one sender_*.py per thread around sender_table.py; its decode side:
+receiver.py), messages.py what they say, layout.py / grouping.py / transfer.py / drain.py /
 channel.py the pieces they use. The facade (and with it vLLM) is imported on first
 access, so the control plane can read `settings` without vLLM installed.
 """

@@ -1,7 +1,7 @@
 """Prefill side: how long a write may take before its transfer is failed.
 
-Runs in a prefill engine's worker process, for sender.py (its submit thread asks,
-its completion thread reports). A write's steady-state deadline is sized to the bytes
+Runs in a prefill engine's worker process, for the sender (its submit thread asks,
+sender_submit.py; its completion thread reports, sender_complete.py). A write's steady-state deadline is sized to the bytes
 in flight (`Settings.transfer_timeout_s`, at least `transfer_timeout_floor_s`). The
 first write to a decode session also pays for the transport's connect, which the floor
 is not meant to cover: Mooncake's Ascend transport connects ADXL to the peer on its

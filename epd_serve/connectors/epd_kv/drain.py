@@ -1,6 +1,6 @@
 """Prefill side: waiting out the segments of failed writes, on a thread of its own.
 
-Runs in a prefill engine's worker process, for sender.py. A write fails as soon as one
+Runs in a prefill engine's worker process, for the sender (sender_complete.py). A write fails as soon as one
 of its segments fails or is refused, but its other segments may still be running and
 reading the request's blocks, which must stay pinned until they have ended. That can
 take up to the transfer engine's own timeout (`DRAIN_TIMEOUT_S`); on the submit or
