@@ -139,6 +139,12 @@ def instances_here(steps: Sequence[Step], local_hosts: LocalHosts) -> list[Step]
     return [s for s in steps if s.kind == "instance" and local_hosts(s.address)]
 
 
+def store_here(dep: ResolvedDeployment, steps: Sequence[Step], local_hosts: LocalHosts) -> bool:
+    """Whether the deployment has an MM Store and the plan starts it on this machine."""
+    return dep.mm_store is not None and any(s.kind == "store" and local_hosts(s.address)
+                                            for s in steps)
+
+
 def model_rows(steps: Sequence[Step], local_hosts: LocalHosts,
                tiny_family: str | None) -> list[Row]:
     """One row per model the instances here load (one, in every shipped file)."""
@@ -153,12 +159,10 @@ def shm_row(dep: ResolvedDeployment, steps: Sequence[Step], config: str,
             local_hosts: LocalHosts) -> Row:
     """/dev/shm against the store started here (if any) and the instances here."""
     store = dep.mm_store
-    store_here = store is not None and any(s.kind == "store" and local_hosts(s.address)
-                                           for s in steps)
-    arena = store_arena_bytes(store.capacity_bytes) if store_here and store.backend == "shm" \
-        else 0
+    here = store_here(dep, steps, local_hosts)
+    arena = store_arena_bytes(store.capacity_bytes) if here and store.backend == "shm" else 0
     shm = os.statvfs("/dev/shm")
-    return check_dev_shm(store.backend if store_here else None, arena,
+    return check_dev_shm(store.backend if here else None, arena,
                          len(instances_here(steps, local_hosts)),
                          shm.f_bavail * shm.f_frsize, shm.f_blocks * shm.f_frsize, config)
 
@@ -171,7 +175,7 @@ def memory_row(dep: ResolvedDeployment, steps: Sequence[Step], config: str,
     here = instances_here(steps, local_hosts)
     needs = [(s.name, dep.platform.host_memory_gib(s.launch)) for s in here]
     store = dep.mm_store
-    if store is not None and any(s.kind == "store" and local_hosts(s.address) for s in steps):
+    if store_here(dep, steps, local_hosts):
         needs.append((f"MM Store ({store.backend})", store.capacity_bytes / GIB))
     if any(s.kind == "proxy" and local_hosts(s.address) for s in steps):
         needs.append(("proxy and store server", SERVING_PROCESSES_GIB))

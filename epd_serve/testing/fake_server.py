@@ -32,9 +32,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from epd_serve.bench.client import run
 from epd_serve.protocols import ascend_layerwise, encoder, epd_push, mooncake_pull
 from epd_serve.protocols.params import ParamsError, from_dict, to_dict
+from epd_serve.proxy.request import MEDIA_PARTS
 
-# The parts an encoder computes a feature of (images, and what encoders take whole).
-MEDIA_PARTS = ("image_url", "video_url", "audio_url", "input_audio")
+# The parts an encoder computes a feature of: the proxy's one table of media parts,
+# less the embeddings a client computed itself.
+ENCODED_PARTS = frozenset(t for t, kind in MEDIA_PARTS.items() if not kind.embeddings)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,7 +205,7 @@ async def _kv_answer(kv: dict, spec: FakeSpec, kind: str, request_id: str | None
 def _published(parts: list[dict]) -> dict:
     """What an encoder publishes (`ec_transfer_params`), as vLLM's do: per media item
     its placeholder metadata and index, keyed by its uuid (else a hash of the part)."""
-    media = [p for p in parts if p.get("type") in MEDIA_PARTS]
+    media = [p for p in parts if p.get("type") in ENCODED_PARTS]
     return to_dict({
         p.get("uuid") or hashlib.sha256(json.dumps(p, sort_keys=True).encode()).hexdigest():
         encoder.ItemParams(metadata={"image_grid_thw": [1, 4, 4]}, item_indices=[i])
