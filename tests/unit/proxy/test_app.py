@@ -90,6 +90,16 @@ def test_epd_handoff_passes_the_transfer_mode_to_prefill_only():
         assert "epd_mode" not in d.seen("d1")[0]["body"]["kv_transfer_params"]
 
 
+def test_a_transfer_mode_the_connector_does_not_know_is_the_clients_400_naming_it():
+    with deployment(["P", "D"]) as d:
+        body = chat_body("fake", "x", max_tokens=2)
+        body["kv_transfer_params"] = {"epd_mode": "warp"}
+        refused = d.client.post("/v1/chat/completions", json=body)
+        assert refused.status_code == 400, refused.text
+        assert "epd_mode" in refused.json()["error"]["message"]
+        assert d.seen("p0") == d.seen("d1") == []  # refused before any engine saw it
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_epd_handoff_retries_a_failed_prefill_with_a_fresh_decode_request(stream):
     with deployment(["P", "P", "D"], failing={"p0": 500},
