@@ -46,11 +46,11 @@ class InstanceLaunch:
     memory_share: float  # share of each device's memory this instance may use
     max_model_len: int
     attention_backend: str | None = None  # the deployment's; None: the platform's choice
-    ec_role: str | None = None  # ec_producer | ec_consumer | None
+    ec_role: str | None = None  # ec_producer | ec_consumer | ec_both (switchable) | None
     ec_storage_path: str | None = None  # vLLM's file connector (no MM Store)
     mm_store: StoreSpec | None = None  # our EC connector over this store
     prefetch_port: int | None = None  # where a prefill's prefetch listener takes hints
-    kv_role: str | None = None  # kv_producer | kv_consumer | None
+    kv_role: str | None = None  # kv_producer | kv_consumer | kv_both (switchable) | None
     kv_protocol: str = "epd"  # how KV travels P -> D (epd_serve/protocols/registry.py)
     kv_port: int | None = None  # first of the instance's KV ports (one per TP rank)
     kv_config: tuple[tuple[str, Any], ...] = ()  # the deployment's kv_connector_config
@@ -74,7 +74,8 @@ class InstanceLaunch:
 
     @property
     def encoder_only(self) -> bool:
-        return self.instance.roles == "E"
+        """An encoder without the language model: an E that may never switch."""
+        return self.instance.roles == "E" and not self.instance.switchable
 
     def ports(self) -> dict[int, str]:
         """Every port this instance listens on -> what for."""
@@ -89,12 +90,16 @@ class InstanceLaunch:
 
 def ec_role_for(instance: Instance, plan: Plan, decode_consumes: bool = False) -> str | None:
     """Encoder-only instances produce features; prefill instances without an encoder
-    of their own consume them when the plan has encoder instances. With the MM Store,
-    decode instances consume too: they are sent image references, and a decode that
-    must compute the prompt itself (its KV never came) loads the features."""
+    of their own consume them when the plan has encoder instances (or instances that
+    may become one). With the MM Store, decode instances consume too: they are sent
+    image references, and a decode that must compute the prompt itself (its KV never
+    came) loads the features. A switchable instance does both, whatever it starts as."""
+    if instance.switchable:
+        return "ec_both"
     if instance.roles == "E":
         return "ec_producer"
-    if not any(i.roles == "E" for i in plan.instances) or instance.has(Role.ENCODE):
+    if not any(i.roles == "E" or i.switchable for i in plan.instances) \
+            or instance.has(Role.ENCODE):
         return None
     if instance.has(Role.PREFILL) or (decode_consumes and instance.has(Role.DECODE)):
         return "ec_consumer"
@@ -102,7 +107,10 @@ def ec_role_for(instance: Instance, plan: Plan, decode_consumes: bool = False) -
 
 
 def kv_role_for(instance: Instance) -> str | None:
-    """Prefill without decode sends KV; decode without prefill receives it."""
+    """Prefill without decode sends KV; decode without prefill receives it; a switchable
+    instance does both (its role is the proxy's routing: proxy/roles.py)."""
+    if instance.switchable:
+        return "kv_both"
     if instance.has(Role.PREFILL) and not instance.has(Role.DECODE):
         return "kv_producer"
     if instance.has(Role.DECODE) and not instance.has(Role.PREFILL):
@@ -114,7 +122,8 @@ def memory_shares(plan: Plan) -> dict[str, float]:
     """Instance name -> fraction of its device's memory; co-located shares sum to 1."""
     shares: dict[str, float] = {}
     for group in plan.groups():
-        weights = {i.name: ENCODER_WEIGHT if i.roles == "E" else LLM_WEIGHT for i in group}
+        weights = {i.name: ENCODER_WEIGHT if i.roles == "E" and not i.switchable
+                   else LLM_WEIGHT for i in group}
         total = sum(weights.values())
         for name, weight in weights.items():
             shares[name] = weight / total
@@ -199,7 +208,7 @@ class Platform(ABC):
         cfg = get_protocol(launch.kv_protocol).transfer_config(
             launch, self.kv_connector(launch.kv_protocol), dict(launch.kv_config),
             launch.instance.tensor_parallel)
-        if launch.kv_role == "kv_consumer":
+        if launch.kv_role in ("kv_consumer", "kv_both"):
             # A KV transfer that fails must cost time, not the request: decode then
             # computes the prompt itself.
             cfg["kv_load_failure_policy"] = "recompute"

@@ -22,7 +22,13 @@ import logging
 import msgspec
 from aiohttp import web
 
-from epd_serve.proxy import routes_health, routes_instances, routes_serving, routes_traces
+from epd_serve.proxy import (
+    routes_health,
+    routes_instances,
+    routes_roles,
+    routes_serving,
+    routes_traces,
+)
 from epd_serve.proxy.config import ProxyConfig
 from epd_serve.proxy.context import PROXY, REQUEST_ID, TENANT, Proxy
 from epd_serve.proxy.errors import ProxyError
@@ -64,6 +70,9 @@ def create_app(config: ProxyConfig) -> web.Application:
     app.router.add_get("/instances", routes_instances.list_instances)
     app.router.add_post("/instances", routes_instances.add_instance)
     app.router.add_delete("/instances/{name}", routes_instances.remove_instance)
+    app.router.add_get("/roles", routes_roles.list_roles)
+    app.router.add_post("/instances/{name}/role", routes_roles.switch_role)
+    app.router.add_post("/roles/controller", routes_roles.set_controller)
     return app
 
 
@@ -101,7 +110,8 @@ def guard(request: web.Request) -> None:
     path = request.path
     if path in OPEN_PATHS or path.startswith(METASERVER):
         return  # the metaserver URL is itself the secret (ascend_layerwise.py)
-    if path.startswith("/instances") and request.method != "GET":
+    if (path.startswith("/instances") or path == "/roles/controller") \
+            and request.method != "GET":
         return  # the handler asks for the admin key (or says registration is off)
     proxy = request.app[PROXY]
     if path == "/v1/traces" and request.method == "POST" and proxy.internal_token:

@@ -42,6 +42,10 @@ class InstanceEntry(BaseModel):
                                     "side channel host:port (epd).")
     prefetch_endpoint: str | None = Field(None, description="host:port where this prefill "
                                           "instance takes prefetch hints (MM Store).")
+    switchable: bool = Field(False, description="A full engine with both ends of each "
+                             "hand-off (kv_both, ec_both): the proxy may move it between "
+                             "E, P and D while it serves (proxy/roles.py). `roles` is the "
+                             "one it starts in.")
 
     @field_validator("roles")
     @classmethod
@@ -54,6 +58,13 @@ class InstanceEntry(BaseModel):
     def stages(self) -> frozenset[str]:
         """The roles as a set (read on every routing decision, so made once)."""
         return frozenset(self.roles)
+
+    @model_validator(mode="after")
+    def _one_stage_switches(self) -> "InstanceEntry":
+        if self.switchable and len(self.roles) != 1:
+            raise ValueError(f"only a single-stage instance (E, P or D) may switch, "
+                             f"not {self.roles!r}")
+        return self
 
 
 class RoutingSettings(BaseModel):
@@ -138,6 +149,32 @@ class Deadlines(BaseModel):
                                    "as long as a probe's, which a busy engine answers in.")
 
 
+class RoleControl(BaseModel):
+    """The role controller (role_control.py): moves switchable (`~`) instances to the
+    stage whose queue is longest, by the rule of role_policy.py. Off by default;
+    `role_control: true` (or `enabled: true`) turns it on with these defaults."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(False, description="Let the controller switch roles.")
+    interval_s: float = Field(0.5, gt=0, description="How often the queues are looked at.")
+    high_load: float = Field(2.0, gt=0, description="A stage is under pressure at this "
+                             "much queued work (hops in flight) per instance ...")
+    ratio: float = Field(3.0, ge=1, description="... and this many times the stage that "
+                         "gives an instance up.")
+    low_load: float = Field(0.5, ge=0, description="The encoder stage may be left with no "
+                            "instance (prefill then encodes) only this idle.")
+    sustain_s: float = Field(3.0, ge=0, description="The pressure must hold this long "
+                             "before a switch (a burst moves nothing).")
+    min_dwell_s: float = Field(10.0, ge=0, description="An instance keeps a role at least "
+                               "this long (no flapping).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _switch_alone(cls, data):
+        return {"enabled": data} if isinstance(data, bool) else data
+
+
 class ProxySettings(BaseModel):
     """The `proxy:` section of a deployment file."""
 
@@ -159,6 +196,12 @@ class ProxySettings(BaseModel):
     request_timeout_s: float = Field(600.0, gt=0, description="The longest wait on an "
                                      "instance that is alive but silent (deadlines).")
     health_interval_s: float = Field(2.0, gt=0)
+    role_control: RoleControl = Field(default_factory=RoleControl, description="Switching "
+                                      "switchable instances' roles by the stages' queues.")
+    role_drain_timeout_s: float = Field(
+        600.0, gt=0, description="A role switch waits this long at most for the hops in "
+        "flight on the instance to finish; past it the switch is abandoned and the "
+        "instance keeps its old role.")
     unhealthy_after: int = Field(3, ge=1, description="Failed probes in a row before an "
                                  "instance that still accepts connections is taken out.")
 

@@ -24,6 +24,8 @@ from epd_serve.proxy.metrics import ProxyMetrics
 from epd_serve.proxy.pipeline import Pipeline
 from epd_serve.proxy.remote_media import RemoteFetcher
 from epd_serve.proxy.request import ParsedRequest
+from epd_serve.proxy.role_control import RoleController
+from epd_serve.proxy.roles import RoleSwitcher
 from epd_serve.proxy.routing import Router
 from epd_serve.proxy.state import InstanceTable
 from epd_serve.proxy.tenancy import INTERNAL_TOKEN_ENV, Tenant, Tenants
@@ -54,6 +56,10 @@ class Proxy:
         self.client_kv_keys = HANDOFFS[config.kv_protocol].allowed_client_keys(
             config.fault_injection) if config.kv_protocol in HANDOFFS else frozenset()
         self.traces = TraceStore()
+        self.roles = RoleSwitcher(self.table, self.metrics, config)
+        # Our epd hand-off sends decode its hop as prefill starts (handoff/epd_push.py).
+        self.controller = RoleController(self.table, self.roles, config.role_control,
+                                         decode_starts_with_prefill=config.kv_protocol == "epd")
         self.session: aiohttp.ClientSession | None = None
         self.pipeline: Pipeline | None = None
         self.membership: Membership | None = None
@@ -96,8 +102,11 @@ class Proxy:
         self.membership = Membership(self.table, self.session, self.metrics, self.config)
         self.membership.save()
         self.membership.start()
+        if any(e.switchable for e, _ in self.table.entries()):
+            self.membership.spawn(self.controller.run())  # acts only while enabled
 
     async def stop(self) -> None:
+        await self.roles.stop()
         await self.membership.stop()
         self.pipeline.close()
         if self.fetcher is not None:

@@ -84,7 +84,7 @@ class Membership:
         inst = self.table.add(entry, source="registered")  # KeyError if the name is taken
         self.save()
         log.info("instance %s (%s) registered at %s", entry.name, entry.roles, entry.url)
-        self._spawn(self.probe(inst))  # routable once it answers
+        self.spawn(self.probe(inst))  # routable once it answers
         return inst
 
     def deregister(self, name: str) -> InstanceState:
@@ -110,10 +110,12 @@ class Membership:
 
     # -- background tasks ------------------------------------------------------------
     def start(self) -> None:
-        self._spawn(self._every(self.config.health_interval_s, self.probe))
-        self._spawn(self._every(self.config.routing.metrics_interval_s, self.read_engine_load))
+        self.spawn(self._every(self.config.health_interval_s, self.probe))
+        self.spawn(self._every(self.config.routing.metrics_interval_s, self.read_engine_load))
 
-    def _spawn(self, coro) -> None:
+    def spawn(self, coro) -> None:
+        """Run `coro` in the background until it ends or the proxy stops (the role
+        controller's loop is one)."""
         task = asyncio.create_task(coro)
         self._tasks.add(task)  # held until it ends: the loop keeps only weak references
         task.add_done_callback(self._ended)

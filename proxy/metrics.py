@@ -63,6 +63,17 @@ class ProxyMetrics:
             "whose work another stage did instead, by the missing stage and the stand-in "
             "(P/D: decode computed the prompt; D/P: prefill decoded; E/P: prefill encoded).",
             ["missing", "standin"], registry=r)
+        self.role = Gauge("epd_proxy_instance_role", "1 for the stage each instance serves "
+                          "now (E, P, D, or merged roles like PD), 0 for the others it "
+                          "served before a role switch.", ["instance", "role"], registry=r)
+        self.switches = Counter(
+            "epd_proxy_role_switches_total", "Role switches by instance, from, to and how "
+            "they ended (done, abandoned: the drain outlasted role_drain_timeout_s, "
+            "cancelled).", ["instance", "source", "target", "outcome"], registry=r)
+        self.switch_seconds = Histogram(
+            "epd_proxy_role_switch_seconds", "From a role switch's decision to the instance "
+            "serving its new role (the drain of its hops in flight).",
+            buckets=LATENCY_BUCKETS, registry=r)
 
         self._children: dict[tuple, object] = {}
 
@@ -80,6 +91,13 @@ class ProxyMetrics:
     def set_in_flight(self, instance: str, value: int) -> None:
         self.child(self.in_flight, instance).set(value)
 
+    def set_role(self, instance: str, roles: str) -> None:
+        """The instance serves `roles` now; any role it served before reads 0."""
+        for (metric, labels), child in self._children.items():
+            if metric is self.role and labels[0] == instance:
+                child.set(0)
+        self.child(self.role, instance, roles).set(1)
+
     def forget(self, instance: str) -> None:
         """Drop the per-instance gauges of an instance that left the roster."""
         for gauge in (self.in_flight, self.healthy):
@@ -87,6 +105,9 @@ class ProxyMetrics:
                 gauge.remove(instance)
             except KeyError:
                 pass
+        for (metric, labels) in list(self._children):
+            if metric is self.role and labels[0] == instance:
+                self.role.remove(*labels)
         self._children = {key: child for key, child in self._children.items()
                           if instance not in key[1]}
 

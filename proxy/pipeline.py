@@ -127,6 +127,10 @@ class Pipeline:
                            self.stand_in)
         self._stood_in(trip, plan.stand_ins)
         prepared = await self._encode(req, plan, images, trip)
+        # Requests whose images prefill encodes for want of an encoder: the work of an
+        # empty E stage, which the role controller weighs (role_control.py).
+        encoded_by_prefill = any(missing == "E" for missing, _ in trip.stand_ins)
+        self.table.stood_in["E"] += encoded_by_prefill
         try:
             return trip, await self._prefill_decode(req, plan, prepared, trip, images)
         except ProxyError as err:
@@ -139,6 +143,8 @@ class Pipeline:
                 raise
             self._stood_in(trip, again.stand_ins)
             return trip, await self._prefill_decode(req, again, prepared, trip, images)
+        finally:
+            self.table.stood_in["E"] -= encoded_by_prefill
 
     def _down(self) -> frozenset[str]:
         return down_hops(self.table.instances, self.table.roster)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from epd_serve.proxy.context import PROXY
+from epd_serve.proxy.routes_roles import roles_view
 from epd_serve.proxy.routing import computing_hop, down_hops, eligible, plan_stages
 
 
@@ -56,7 +57,8 @@ async def status(request: web.Request) -> web.Response:
     return web.json_response({
         "model": proxy.config.model,
         "policies": {hop: p.name for hop, p in proxy.router.policies.items()},
-        "instances": proxy.table.to_dict()})
+        "instances": proxy.table.to_dict(),
+        "roles": roles_view(proxy)})
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -22,7 +22,7 @@ from epd_serve.proxy.tenancy import bearer_token
 def require_admin(request: web.Request) -> None:
     proxy = request.app[PROXY]
     if proxy.admin_key is None:
-        raise ProxyError(403, f"instance registration is off: set "
+        raise ProxyError(403, f"instance registration and role switches are off: set "
                          f"{proxy.config.admin_key_env} in the proxy's environment to "
                          "enable it", "permission_error", reason="admin_disabled")
     # Constant-time: the time a comparison takes must not tell how much of a key matched.

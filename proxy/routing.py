@@ -94,7 +94,8 @@ def eligible(instances: Iterable[InstanceState], hop: str,
              exclude: Iterable[InstanceState] = ()) -> list[InstanceState]:
     excluded = set(map(id, exclude))
     return [i for i in instances
-            if serves(i, hop) and i.healthy and not i.draining and id(i) not in excluded]
+            if serves(i, hop) and i.healthy and not i.draining and i.switching_to is None
+            and id(i) not in excluded]
 
 
 def down_hops(instances: Sequence[InstanceState], roster: Roster) -> frozenset[str]:

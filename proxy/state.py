@@ -8,6 +8,7 @@ it (upstream.py), so in-flight counts cannot drift when a hop fails half-way.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from collections.abc import Iterable
@@ -48,10 +49,23 @@ class InstanceState:
     # Our hops on it that ended since `engine` was read: the engine counted them as
     # running or waiting then, and they are gone now.
     ended_since_read: int = 0
+    # The stages it serves now: its entry's, until a role switch (roles.py) changes them.
+    stages: frozenset[str] = frozenset()
+    switching_to: str | None = None  # a switch is draining it: routing skips it
+    role_since: float = dataclasses.field(default_factory=time.monotonic)
+    switches: int = 0
+
+    def __post_init__(self) -> None:
+        self.stages = self.stages or self.entry.stages
 
     @property
     def name(self) -> str:
         return self.entry.name
+
+    @property
+    def roles(self) -> str:
+        """The roles it serves now, in pipeline order."""
+        return "".join(s for s in "EPD" if s in self.stages)
 
     def engine_load(self) -> EngineLoad | None:
         if self.engine is None or time.monotonic() - self.engine.read_at > ENGINE_LOAD_TTL_S:
@@ -102,7 +116,11 @@ class InstanceState:
         engine = self.engine_load()
         return {
             "name": self.name,
-            "roles": self.entry.roles,
+            "roles": self.roles,
+            "started_as": self.entry.roles,
+            "switchable": self.entry.switchable,
+            "switching_to": self.switching_to,
+            "switches": self.switches,
             "url": self.entry.url,
             "source": self.source,
             "healthy": self.healthy,
@@ -163,10 +181,14 @@ HOPS = ("E", "P", "D", "PD")
 
 
 def serves(inst: InstanceState, hop: str) -> bool:
-    """Whether an instance's roles cover a hop. An instance that prefills and decodes
-    is a PD instance, not a hand-off end; encoders are encoder-only instances (an EP
-    instance encodes its own requests' images as part of prefill)."""
-    stages = inst.entry.stages
+    """Whether an instance's roles now cover a hop."""
+    return stages_serve(inst.stages, hop)
+
+
+def stages_serve(stages: frozenset[str], hop: str) -> bool:
+    """Whether an instance with these roles serves a hop. One that prefills and decodes
+    is a PD instance, not a hand-off end; encoders are E-only instances (an EP instance
+    encodes its own requests' images as part of prefill)."""
     if hop == "E":
         return stages == {"E"}
     if hop == "P":
@@ -186,10 +208,13 @@ class Roster:
 
     @classmethod
     def of(cls, instances: Iterable[InstanceState]) -> "Roster":
+        """From the roles each instance started with and serves now: a stage a role
+        switch emptied is down (its work stood in for), not gone from the deployment."""
         pools = {hop: False for hop in HOPS}
         for inst in instances:
             for hop in HOPS:
-                pools[hop] = pools[hop] or serves(inst, hop)
+                pools[hop] = (pools[hop] or serves(inst, hop)
+                              or stages_serve(inst.entry.stages, hop))
         return cls(encoders=pools["E"], split=pools["P"] and pools["D"], merged=pools["PD"])
 
     @property
@@ -206,6 +231,8 @@ class InstanceTable:
         self._by_name: dict[str, InstanceState] = {}
         self._instances: list[InstanceState] = []
         self._roster: Roster | None = None
+        # Stage -> requests in flight whose work for it another stage does (stood in).
+        self.stood_in: collections.Counter[str] = collections.Counter()
         for entry in entries:
             self.add(entry, source)
 
@@ -223,6 +250,12 @@ class InstanceTable:
 
     def _changed(self) -> None:
         self._instances = list(self._by_name.values())
+        self._roster = None
+
+    def set_stages(self, inst: InstanceState, stages: frozenset[str]) -> None:
+        """A role switch's last step: the instance serves `stages` from now on."""
+        inst.stages = stages
+        inst.role_since = time.monotonic()
         self._roster = None
 
     def get(self, name: str) -> InstanceState | None:

@@ -3,8 +3,10 @@ in the x-epd-stages header and writes it in its request log, e.g.
 `E=e0:18.3ms;P=p1:31.8ms;D=d2;KV=done:bytes=393216B:transfer=1.6ms:exposed=0.0ms:groups=2;IMG=ref`
 or, with every prefill instance down, `E=e0:18.3ms;D=d2:250.1ms;IMG=ref;FALLBACK=P>D`.
 Parts: `<stage>=<instance>[!][:<ms>ms]` per hop, `KV=` (the hand-off's report), `IMG=`
-(ref | keyed | pixels | recompute), and `FALLBACK=<missing>><stand-in>[,...]` for stages whose
-work another stage did because none of their instances was healthy (see `Trip.header`).
+(ref | keyed | pixels | recompute), `FALLBACK=<missing>><stand-in>[,...]` for stages whose
+work another stage did because none of their instances was healthy, and
+`SWITCHED=<instance>:<started as>><serves now>[,...]` for hops on instances a role switch
+moved (roles.py), e.g. `D=e0;SWITCHED=e0:E>D` (see `Trip.header`).
 
 Pure data, filled in by upstream.py (each hop), encoding.py and the KV hand-offs.
 """
@@ -56,6 +58,8 @@ class Trip:
     encodes: list[StageRecord] = dataclasses.field(default_factory=list)
     # Wall-clock ns at which the proxy relayed each streamed chunk to the client.
     relayed_ns: list[int] = dataclasses.field(default_factory=list)
+    # Instance -> "E>D": hops ran on instances serving another role than they started as.
+    switched: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def header(self) -> str:
         """Stages in pipeline order (prefill and decode may run at the same time);
@@ -79,4 +83,7 @@ class Trip:
         if self.stand_ins:
             parts.append("FALLBACK=" + ",".join(
                 f"{m}>{s}" for m, s in sorted(self.stand_ins, key=lambda p: "EPD".find(p[0]))))
+        if self.switched:
+            parts.append("SWITCHED=" + ",".join(f"{name}:{moved}" for name, moved
+                                                in sorted(self.switched.items())))
         return ";".join(parts)

@@ -146,6 +146,8 @@ class Upstream:
     # -- leases ------------------------------------------------------------------------
     def _take(self, inst: InstanceState, hop: str, trip: Trip) -> Lease:
         lease = inst.lease(hop, trip.route.cost)
+        if inst.stages != inst.entry.stages:  # a role switch moved it: the header says so
+            trip.switched[inst.name] = f"{inst.entry.roles}>{inst.roles}"
         self.metrics.set_in_flight(inst.name, inst.in_flight)
         return lease
 

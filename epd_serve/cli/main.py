@@ -16,6 +16,8 @@ import signal
 import sys
 from pathlib import Path
 
+from epd_serve.cli import role
+from epd_serve.cli.role import DEFAULT_PROXY_URL
 from epd_serve.cli.bench import add_bench_parser
 from epd_serve.cli.doctor import add_doctor_parser
 from epd_serve.cli.planner import add_planner_parsers
@@ -38,10 +40,14 @@ def cmd_topology(args) -> int:
         return 0
     print(f"{plan.to_notation()}: {len(plan.instances)} instance(s) on {plan.num_devices} device(s)")
     for group in plan.groups():
-        names = ", ".join(f"{i.name} [{i.roles}]" for i in group)
+        names = ", ".join(f"{i.name} [{i.written}]" for i in group)
         devices = ",".join(map(str, group[0].devices))
         shared = " (co-located, separate processes)" if len(group) > 1 else ""
         print(f"  device {devices}: {names}{shared}")
+    if any(i.switchable for i in plan.instances):
+        print("  ~: may switch between E, P and D while serving (`epd-serve role`); a full "
+              "engine whatever it starts as, so an E~ holds the language model and a KV "
+              "cache too")
     return 0
 
 
@@ -126,7 +132,6 @@ def cmd_launch(args) -> int:
     return 0
 
 
-DEFAULT_PROXY_URL = "http://127.0.0.1:8000"
 STATUS_TIMEOUT_S = 3.0  # a proxy that takes longer is as good as down to someone watching
 PIPED_WIDTH = 200
 
@@ -356,6 +361,7 @@ def _add_inspecting_parsers(sub) -> None:
     p.add_argument("--png", metavar="FILE", help="also draw the waterfall into FILE")
     p.add_argument("--json", action="store_true", help="print the timeline's raw JSON")
     p.set_defaults(func=cmd_trace)
+    role.add_parser(sub)
 
 
 def main(argv: list[str] | None = None) -> int:

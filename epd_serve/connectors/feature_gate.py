@@ -14,7 +14,10 @@ do call the KV connector's `get_num_new_matched_tokens(request, ...)` first and 
 request for which it answers None ("the KVConnector couldn't determine the number of
 matched tokens": vLLM 0.23 scheduler.py, vllm-ascend patch_balance_schedule.py's
 `schedule`). So on a prefill instance our KV connector asks the EC connector registered
-here for the same vLLM configuration, and answers None while the request must wait.
+here for the same vLLM configuration, and answers None while the request must wait; a
+kv_both instance does so for every request it computes (all but those whose KV it
+receives). vllm-ascend's check is for `kv_producer` by name, so a kv_both instance runs
+vLLM's own waiting loop (unless balance scheduling is on), which asks as well.
 
 Registered by the EC connector's scheduler side of a consumer, looked up by the KV
 connector's, both made by the scheduler from one `vllm_config` object; keyed by that

@@ -13,7 +13,7 @@ from pathlib import Path
 from epd_serve.backends import get_platform
 from epd_serve.deployment.schema import ArgValue, ConfigError, Deployment
 from epd_serve.backends.hal import InstanceLaunch, Platform, ec_role_for, kv_role_for, memory_shares
-from epd_serve.protocols.registry import get_protocol
+from epd_serve.protocols.registry import PROTOCOLS, get_protocol
 from epd_serve.mmstore.spec import StoreSpec
 from epd_serve.topology import notation
 from epd_serve.topology.placement import ClusterSpec, PlacementError, Slot, place
@@ -59,7 +59,8 @@ def resolve(config: Deployment, root: Path) -> ResolvedDeployment:
             next_kv_port += inst.tensor_parallel
         ec_role = ec_role_for(inst, plan, decode_consumes=store is not None)
         prefetch_port = None
-        if store is not None and ec_role == "ec_consumer" and inst.has(notation.Role.PREFILL):
+        may_prefill = inst.has(notation.Role.PREFILL) or inst.switchable
+        if store is not None and ec_role in ("ec_consumer", "ec_both") and may_prefill:
             prefetch_port = next_prefetch_port
             next_prefetch_port += 1
         launches.append(
@@ -139,6 +140,12 @@ def kv_protocol_of(config: Deployment, platform: Platform) -> str:
         protocol.validate(dict(config.kv_connector_config))
     except ValueError as err:
         raise ConfigError(f"{config.name}: {err}") from None
+    switchable = [i.name for i in config.plan.instances if i.switchable]
+    if switchable and not protocol.switches_roles:
+        ok = [n for n, p in PROTOCOLS.items() if p.switches_roles]
+        raise ConfigError(f"{config.name}: {', '.join(switchable)} may switch role (~), which "
+                          f"needs a KV connector that both sends and receives (kv_both); "
+                          f"{name!r} does not: use kv_connector {' or '.join(map(repr, ok))}")
     return name
 
 

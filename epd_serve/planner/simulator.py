@@ -23,7 +23,9 @@ The model, per request:
 - a merged prefill+decode instance emits the first token with the prefill's last
   chunk; a decode instance emits it after its first iteration on the request. The
   iteration after an image request's first token costs the profile's
-  mm_decode_once_ms more (where its first decode steps run slow).
+  mm_decode_once_ms more (where its first decode steps run slow);
+- with a role-control setting (switching.py), switchable ("~") instances change
+  between E, P and D while the run goes on, as the proxy's controller moves them.
 
 Pure Python (heapq); no engines, no network.
 """
@@ -41,6 +43,7 @@ from epd_serve.bench.timings import SLO, RequestRecord, summarize
 from epd_serve.bench.workloads import RequestSpec
 from epd_serve.planner.budgets import Budget, engine_flags, role_budget
 from epd_serve.planner.profile import Profile
+from epd_serve.planner.switching import RoleControl, RoleController, Switch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +53,9 @@ class SimInstance:
     name: str
     roles: str  # "E", "P", "D", "EP", "PD", "ED", "EPD"
     device: int
+    # May change between E, P and D while serving ("~"): a full engine whatever it
+    # serves, so its E hops also run the language model's prefill of their tokens.
+    switchable: bool = False
 
 
 @dataclasses.dataclass
@@ -80,6 +86,9 @@ class _Engine:
 
     def __init__(self, spec: SimInstance, budget: Budget, kv_capacity: int):
         self.spec = spec
+        self.roles = spec.roles  # the stages it serves now (a switch changes them)
+        self.draining_to: str | None = None  # switching: routing no longer picks it
+        self.role_since = -float("inf")  # when it began serving its roles (switching)
         self.budget = budget
         self.kv_capacity = kv_capacity
         self.encode_queue: collections.deque = collections.deque()  # (request, tokens)
@@ -89,7 +98,7 @@ class _Engine:
         self.busy_until: float | None = None
         self.in_flight = 0  # hops the proxy has sent here and not seen finish
         self.flags: dict[str, int] = {}  # the engine flags that enforce the budget
-        self.receives_kv = "D" in spec.roles and "P" not in spec.roles
+        self.receives_kv = False  # set with its budget (Simulation.set_budget)
         # Work done, for the conservation checks and the report.
         self.busy_ms = 0.0
         self.iterations = 0
@@ -105,18 +114,28 @@ class _Engine:
         return bool(self.encode_queue or self.prefill_queue or self.decoding
                     or self.waiting_decode)
 
+    @property
+    def full_engine_encoder(self) -> bool:
+        """A switchable instance serving E: its encode hops run the language model's
+        prefill of their tokens too (an E~ loads the whole model, notation.py)."""
+        return self.spec.switchable and self.roles == "E"
+
 
 @dataclasses.dataclass
 class SimResult:
     records: list[RequestRecord]
     instances: dict[str, dict]  # name -> work done and busy time
     end_s: float
+    switches: list[Switch] = dataclasses.field(default_factory=list)  # in decision order
 
 
 class Simulation:
     """One simulated load run of one deployment."""
 
-    def __init__(self, instances: list[SimInstance], profile: Profile, slo: SLO, seed: int = 0):
+    def __init__(self, instances: list[SimInstance], profile: Profile, slo: SLO, seed: int = 0,
+                 role_control: RoleControl | None = None):
+        """`role_control`: the controller's settings, to move switchable instances
+        between stages while the run goes on; None keeps every role fixed."""
         if not instances:
             raise ValueError("a deployment needs at least one instance")
         self.profile = profile
@@ -129,6 +148,9 @@ class Simulation:
         self._rng = np.random.default_rng(seed)  # draws of measured hand-off costs
         self._sharers: dict[int, list[_Engine]] = collections.defaultdict(list)
         self.pools = _pools(instances)
+        self.role_control = role_control
+        self.controller: RoleController | None = None  # built with the engines
+        self.open_requests = 0
         if "PD" not in self.pools and ("P" not in self.pools or "D" not in self.pools):
             raise ValueError("the deployment cannot serve a request: it needs an instance "
                              "that prefills and decodes, or prefill and decode instances")
@@ -137,24 +159,42 @@ class Simulation:
     def _build(self, requests: list[_Request]) -> None:
         typical_image = int(_mean([t for r in requests for t in r.image_tokens]) or 256)
         typical_context = int(_mean([r.prompt_tokens + r.spec.max_tokens / 2 for r in requests]) or 512)
+        self._typical = (typical_image, typical_context)
         per_device = collections.Counter(inst.device for inst in self.instances)
         for inst in self.instances:
-            budget = role_budget(self.working_roles(inst), self.slo, self.profile,
-                                 typical_image, typical_context)
             capacity = self.profile.memory.kv_capacity_tokens // per_device[inst.device]
-            engine = _Engine(inst, budget, capacity)
-            engine.flags = engine_flags(self.working_roles(inst), budget, typical_image)
+            engine = _Engine(inst, Budget(0, 0, 0), capacity)
+            self.set_budget(engine)
             self._engines.append(engine)
         for engine in self._engines:
             self._sharers[self._sharing_key(engine)].append(engine)
         self._by_name = {e.name: e for e in self._engines}
+        if self.role_control is not None:
+            self.controller = RoleController(self.role_control, self)
+            self._push(self.role_control.interval_s, self.controller.tick)
+
+    def set_budget(self, engine: _Engine) -> None:
+        """The budget and engine flags of the roles it serves (a switched instance is
+        assumed to be given its new role's budget, as a fresh one of that role would)."""
+        roles = self.working_roles(engine)
+        engine.budget = role_budget(roles, self.slo, self.profile, *self._typical)
+        engine.flags = engine_flags(roles, engine.budget, self._typical[0])
+        engine.receives_kv = "D" in engine.roles and "P" not in engine.roles
+
+    def refresh_pools(self) -> None:
+        """Routing's pools from the roles served now, less any instance draining."""
+        self.pools = _pools([e for e in self._engines if e.draining_to is None])
+
+    @property
+    def engines(self) -> list[_Engine]:
+        return self._engines
 
     def _sharing_key(self, engine: _Engine) -> int:
         """Who an instance contends with: its device's other instances, or on a CPU
         host every instance."""
         return 0 if self.profile.sharing.scope == "host" else engine.spec.device
 
-    def working_roles(self, inst: SimInstance) -> str:
+    def working_roles(self, inst) -> str:
         """The stages an instance runs: a prefill instance encodes its requests' images
         itself when the deployment has no encoders."""
         encodes = "E" in inst.roles or ("P" in inst.roles and "E" not in self.pools)
@@ -169,6 +209,7 @@ class Simulation:
                                    scheduled=float(offset), sent=float(offset))
             requests.append(_Request(spec, float(offset), text, images, record))
         self._build(requests)
+        self.open_requests = len(requests)
         for req in requests:
             self._push(req.arrival, self._arrive, req)
         now = 0.0
@@ -177,13 +218,14 @@ class Simulation:
             action(now, *args)
         for req in requests:
             req.record.stages_header = _header(req)
-        stats = {e.name: {"roles": e.spec.roles, "device": e.spec.device,
+        stats = {e.name: {"roles": e.spec.roles, "final_roles": e.roles, "device": e.spec.device,
                           "busy_s": e.busy_ms / 1e3, "iterations": e.iterations,
                           "images": e.encoded_images, "prefill_tokens": e.prefilled_tokens,
                           "decode_tokens": e.decoded_tokens,
                           "budget": dataclasses.asdict(e.budget), "engine_flags": e.flags}
                  for e in self._engines}
-        return SimResult([r.record for r in requests], stats, now)
+        switches = self.controller.switches if self.controller else []
+        return SimResult([r.record for r in requests], stats, now, switches)
 
     def _push(self, at: float, action, *args) -> None:
         heapq.heappush(self._events, (at, next(self._seq), action, args))
@@ -245,13 +287,16 @@ class Simulation:
             return
         batch = self._form_batch(engine)
         images, prefill, decode = batch
+        lm_prefill = sum(n for _, n in prefill)
+        if engine.full_engine_encoder:  # its encode hops prefill the image and template
+            lm_prefill += sum(t + self.profile.template_tokens for _, t in images)
         cost = self._owed(prefill, decode) + (self.profile.encode_ms([t for _, t in images])
-                + self.profile.iteration_ms(sum(n for _, n in prefill), len(decode),
+                + self.profile.iteration_ms(lm_prefill, len(decode),
                                             sum(r.prompt_tokens + r.generated for r in decode)))
         if decode and engine.receives_kv:
             cost += self.profile.llm.consumer_step_ms
         sharing = self.profile.sharing
-        slowdown = 1.0 + sum(sharing.between(engine.spec.roles, e.spec.roles)
+        slowdown = 1.0 + sum(sharing.between(engine.roles, e.roles)
                              for e in self._sharers[self._sharing_key(engine)]
                              if e is not engine and e.busy_until is not None)
         duration = cost * slowdown / 1e3
@@ -298,7 +343,7 @@ class Simulation:
         for req, tokens in images:
             engine.encoded_images += 1
             req.images_left -= 1
-            if "P" not in engine.spec.roles:
+            if "P" not in engine.roles:
                 engine.in_flight -= 1  # the proxy sends each image to an encoder as a hop
             if req.images_left == 0:
                 self._images_done(now, engine, req)
@@ -313,11 +358,13 @@ class Simulation:
             self._token(now, req)
             if req.generated >= req.spec.max_tokens:
                 engine.decoding.remove(req)
-                self._finish(now, engine, req, "D" if "P" not in engine.spec.roles else "PD")
+                self._finish(now, engine, req, "D" if "P" not in engine.roles else "PD")
+        if engine.draining_to is not None:
+            self.controller.check_drained(now, engine)
         self._kick(now, engine)
 
     def _images_done(self, now: float, engine: _Engine, req: _Request) -> None:
-        if "P" in engine.spec.roles:  # encoded by the prefill instance itself
+        if "P" in engine.roles:  # encoded by the prefill instance itself
             req.features_ready = True
             engine.prefill_queue.append(req)
             return
@@ -330,7 +377,7 @@ class Simulation:
         self._push(now + cost / 1e3, self._to_prefill, req)
 
     def _prefill_done(self, now: float, engine: _Engine, req: _Request) -> None:
-        if "D" in engine.spec.roles:  # merged: the first token comes with the last chunk
+        if "D" in engine.roles:  # merged: the first token comes with the last chunk
             self._token(now, req)
             if req.generated >= req.spec.max_tokens:
                 self._finish(now, engine, req, "PD")
@@ -357,6 +404,7 @@ class Simulation:
 
     def _finish(self, now: float, engine: _Engine, req: _Request, stage: str) -> None:
         engine.in_flight -= 1
+        self.open_requests -= 1
         self._stage_end(now, req, stage, engine)
         req.record.end = now
         req.record.input_tokens = req.prompt_tokens
@@ -368,10 +416,11 @@ class Simulation:
         req.stage_ms[stage] = (names, (now - start) * 1e3)
 
 
-def _pools(instances: list[SimInstance]) -> dict[str, list[SimInstance]]:
-    """Which instances take which hop: encoders are instances that encode but do not
-    prefill; P and D are the two ends of a hand-off; PD instances prefill and decode."""
-    pools: dict[str, list[SimInstance]] = collections.defaultdict(list)
+def _pools(instances) -> dict[str, list]:
+    """Which instances (anything with a name and roles) take which hop: encoders are
+    instances that encode but do not prefill; P and D are the two ends of a hand-off;
+    PD instances prefill and decode."""
+    pools: dict[str, list] = collections.defaultdict(list)
     for inst in instances:
         roles = set(inst.roles)
         if "E" in roles and "P" not in roles:
@@ -405,17 +454,18 @@ def instances_of(plan) -> list[SimInstance]:
         if inst.tensor_parallel != 1:
             raise ValueError(f"{inst.name} runs on {inst.tensor_parallel} devices; the "
                              "simulator models one device per instance")
-        out.append(SimInstance(inst.name, inst.roles, inst.devices[0]))
+        out.append(SimInstance(inst.name, inst.roles, inst.devices[0], inst.switchable))
     return out
 
 
 def simulate(instances: list[SimInstance], profile: Profile, specs: list[RequestSpec],
              offsets, slo: SLO, rate: float | None = None, num_devices: int | None = None,
-             label: str = "", seed: int = 0):
-    """One simulated load run: (the load tool's RunResult, per-instance work)."""
+             label: str = "", seed: int = 0, role_control: RoleControl | None = None):
+    """One simulated load run: (the load tool's RunResult, the SimResult: per-instance
+    work and any role switches)."""
     from epd_serve.bench.runner import RunResult
 
-    result = Simulation(instances, profile, slo, seed).run(specs, offsets)
+    result = Simulation(instances, profile, slo, seed, role_control).run(specs, offsets)
     devices = num_devices or len({i.device for i in instances})
     summary = summarize(result.records, slo, devices, rate)
     summary.update({"label": label, "rate": rate, "simulated": True,

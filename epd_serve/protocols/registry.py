@@ -58,6 +58,9 @@ _EPD_MODULE = "epd_serve.connectors.epd_kv"
 class KVProtocol:
     name: ClassVar[str]  # the config literal (deployment `kv_connector`, proxy `kv_protocol`)
     handoff: ClassVar[str]  # the proxy's hand-off class, as a lazy dotted path
+    # Whether its connector runs as kv_both, sending for some requests and receiving for
+    # others, which instances that switch role between P and D need.
+    switches_roles: ClassVar[bool] = False
     # Platform name -> the connector that speaks this protocol there; a platform it
     # lacks cannot run it.
     connectors: ClassVar[dict[str, Connector]]
@@ -90,6 +93,7 @@ class KVProtocol:
 class EPDPushProtocol(KVProtocol):
     name = "epd"
     handoff = "epd_serve.proxy.handoff.epd_push:EPDPush"
+    switches_roles = True
     # cpu: the transfer engine's TCP transport (a CPU machine has no RDMA device to
     # register KV memory with); cuda: RDMA between the GPUs' registered KV memory;
     # ascend: the NPU wheel (mooncake-transfer-engine-npu 0.3.11.post1, built
@@ -117,7 +121,9 @@ class EPDPushProtocol(KVProtocol):
         return cfg
 
     def proxy_endpoint(self, launch):
-        return f"{launch.host}:{launch.kv_port}" if launch.kv_role == "kv_producer" else None
+        # kv_both: it may prefill for a decode instance whenever the proxy makes it a P.
+        sends = launch.kv_role in ("kv_producer", "kv_both")
+        return f"{launch.host}:{launch.kv_port}" if sends else None
 
 
 class MooncakePullProtocol(KVProtocol):

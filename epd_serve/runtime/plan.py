@@ -174,7 +174,8 @@ def proxy_config(dep: ResolvedDeployment) -> ProxyConfig:
             prefetch = f"{launch.host}:{launch.prefetch_port}"
         instances.append(InstanceEntry(name=launch.name, roles=launch.instance.roles,
                                        url=launch.url, kv_endpoint=endpoint,
-                                       prefetch_endpoint=prefetch))
+                                       prefetch_endpoint=prefetch,
+                                       switchable=launch.instance.switchable))
     return ProxyConfig(
         **dep.config.proxy.model_dump(),
         roster_path=f"{RUN_DIR}/{ROSTER_FILE}",

@@ -173,7 +173,9 @@ def memory_row(dep: ResolvedDeployment, steps: Sequence[Step], config: str,
     import psutil
 
     here = instances_here(steps, local_hosts)
-    needs = [(s.name, dep.platform.host_memory_gib(s.launch)) for s in here]
+    # "~": a switchable instance, a full engine even where it starts as an encoder.
+    needs = [(s.name + ("~" if s.launch.instance.switchable else ""),
+              dep.platform.host_memory_gib(s.launch)) for s in here]
     store = dep.mm_store
     if store_here(dep, steps, local_hosts):
         needs.append((f"MM Store ({store.backend})", store.capacity_bytes / GIB))

@@ -6,10 +6,14 @@ Pure Python; imported by the CLI, the launcher, the proxy and the tests. Grammar
     group      := "(" member ("-" member)* ")" ["x" N]     # members share one device
                 | [N] roles ["x" N]                        # N copies, one device each
                 | counted+                                 # "2E1P1D": each counted part
-    roles      := a contiguous run of "E", "P", "D": E, P, D, EP, PD, EPD
+    roles      := a contiguous run of "E", "P", "D": E, P, D, EP, PD, EPD, then "~"
+                  for an instance that may switch role while serving (E~, P~, D~)
 
 `-` separates devices, `()` co-locates instances on one device as separate processes
 (logical isolation), and letters written together (`EP`) are one merged instance.
+A `~` instance is a full engine whatever it starts as (an E~ loads the language model
+too) with both ends of each hand-off, so the proxy can move it between E, P and D
+(proxy/roles.py); only single-stage instances switch.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ class Instance:
     roles: str  # e.g. "E", "PD", "EPD", always in pipeline order
     devices: tuple[int, ...]
     group: int  # index of the device group (co-located instances share one)
+    switchable: bool = False  # may switch between E, P and D while serving ("~")
 
     @property
     def tensor_parallel(self) -> int:
@@ -66,7 +71,13 @@ class Instance:
             "devices": list(self.devices),
             "group": self.group,
             "tensor_parallel": self.tensor_parallel,
+            "switchable": self.switchable,
         }
+
+    @property
+    def written(self) -> str:
+        """How the notation writes it: its roles, "~" if it may switch."""
+        return self.roles + ("~" if self.switchable else "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,9 +114,9 @@ class Plan:
         parts: list[str] = []
         for group in self.groups():
             if len(group) > 1:
-                part = "(" + "-".join(inst.roles for inst in group) + ")"
+                part = "(" + "-".join(inst.written for inst in group) + ")"
             else:
-                part = group[0].roles
+                part = group[0].written
             parts.append(part)
         return "-".join(_compress_repeats(parts))
 
@@ -143,7 +154,7 @@ class _Token:
     pos: int
 
 
-_TOKEN_RE = re.compile(r"\s*(?:(?P<num>\d+)|(?P<roles>[A-Za-z]+)|(?P<punct>[()\-]))")
+_TOKEN_RE = re.compile(r"\s*(?:(?P<num>\d+)|(?P<roles>[A-Za-z]+~?)|(?P<punct>[()\-]))")
 
 
 def _tokenize(notation: str) -> list[_Token]:
@@ -178,12 +189,18 @@ def _split_letters(notation: str, word: str, start: int) -> list[_Token]:
 
 
 def _check_roles(notation: str, token: _Token) -> str:
-    for offset, letter in enumerate(token.text):
+    """The token's roles in pipeline order, "~" kept at the end for a switchable one."""
+    switchable = token.text.endswith("~")
+    letters = token.text.removesuffix("~")
+    if switchable and len(letters) != 1:
+        raise NotationError(notation, token.pos + len(letters),
+                            f"only a single-stage instance (E, P or D) may switch, not {letters!r}")
+    for offset, letter in enumerate(letters):
         if letter not in ROLE_ORDER:
             raise NotationError(
                 notation, token.pos + offset, f"unknown stage {letter!r} (use E, P or D)"
             )
-    counts = Counter(token.text)
+    counts = Counter(letters)
     if any(c > 1 for c in counts.values()):
         raise NotationError(notation, token.pos, f"stage repeated in {token.text!r}")
     roles = "".join(r for r in ROLE_ORDER if r in counts)
@@ -193,7 +210,7 @@ def _check_roles(notation: str, token: _Token) -> str:
             token.pos,
             f"{token.text!r} is not a valid merged instance (one of {sorted(VALID_ROLE_SETS)})",
         )
-    return roles
+    return roles + ("~" if switchable else "")
 
 
 class _Parser:
@@ -282,10 +299,12 @@ def parse(notation: str) -> Plan:
     counters: Counter[str] = Counter()
     instances = []
     for device, members in enumerate(groups):
-        for roles in members:
+        for written in members:
+            roles = written.removesuffix("~")
             name = f"{roles.lower()}{counters[roles]}"
             counters[roles] += 1
-            instances.append(Instance(name, roles, (device,), device))
+            instances.append(Instance(name, roles, (device,), device,
+                                      switchable=written.endswith("~")))
     plan = Plan(tuple(instances))
     for role, word in ((Role.PREFILL, "prefill"), (Role.DECODE, "decode")):
         if not plan.with_role(role):

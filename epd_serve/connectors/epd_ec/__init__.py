@@ -4,8 +4,10 @@ Load it in vLLM with `"ec_connector": "EPDECConnector",
 "ec_connector_module_path": "epd_serve.connectors.epd_ec"`. The facade is
 connector.py; scheduler.py and worker.py are its two sides, loader.py reads a
 consumer's features (hinted or asked for) into its memory before they are promised,
-codec.py turns tensors to bytes and back, stats.py keeps its metrics. Imported lazily, so
-the control plane can read `settings` without vLLM installed.
+codec.py turns tensors to bytes and back, stats.py keeps its metrics. An instance runs
+as ec_producer (encoder), ec_consumer (prefill, decode) or ec_both (either, request by
+request: scheduler.py). Imported lazily, so the control plane can read `settings`
+without vLLM installed.
 """
 
 

@@ -1,5 +1,8 @@
 """`EPDECConnector`: vLLM's view of our MM Store connector.
 
+Runs as ec_producer (encoder: stores), ec_consumer (prefill, decode: loads) or ec_both
+(both, for every request: scheduler.py says how).
+
 Loaded in every vLLM process through `ec_connector_module_path` (API server for its
 stats classes, engine core for the scheduler side, workers for the worker side). A
 thin facade: each call goes to `EPDECScheduler` or `EPDECWorker`.
@@ -33,8 +36,9 @@ class EPDECConnector(ECConnectorBase):
 
             spans = ConnectorSpans.of(vllm_config) if self.is_consumer else None
             self.worker = EPDECWorker(settings, self.is_producer, self.is_consumer, spans)
-        # The model runner's encoder cache, as last seen in save_caches: where vLLM never
-        # calls start_save_caches, bind_connector_metadata does its work with it.
+        # The model runner's encoder cache, as last seen in save_caches or
+        # start_load_caches: where vLLM never calls start_save_caches,
+        # bind_connector_metadata does its work with it.
         self._encoder_cache: dict | None = None
 
     # -- classmethods vLLM calls in the API server ----------------------------------
@@ -90,6 +94,10 @@ class EPDECConnector(ECConnectorBase):
             self.worker.save(encoder_cache, mm_hash)
 
     def start_load_caches(self, encoder_cache, **kwargs) -> None:
+        # An ec_both instance may not have encoded anything yet (save_caches never came)
+        # while its encoder cache holds what it loaded, which an E hop for the same image
+        # finds there and does not encode: the next step's saves must see that cache.
+        self._encoder_cache = encoder_cache
         self.worker.start_load_caches(self._get_connector_metadata(), encoder_cache)
 
     def get_finished(self, finished_req_ids):

@@ -1,5 +1,6 @@
-"""The feature loader of a consumer (prefill, or decode recomputing): features read from
-the MM Store into this instance's own memory before the scheduler promises them to vLLM.
+"""The feature loader of a consumer (prefill, or decode recomputing; an ec_both instance
+is one): features read from the MM Store into this instance's own memory before the
+scheduler promises them to vLLM.
 
 Runs beside the EC connector's scheduler side, in the engine-core process. Two ways a
 read starts: a prefetch hint (the proxy sends the hashes of a request's features to the

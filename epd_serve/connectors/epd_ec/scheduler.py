@@ -22,6 +22,17 @@ with no KV connector of ours), `has_cache_item` claims a copy that is here alrea
 the scheduling pass, and `update_state_after_alloc` hands it to the request; a feature
 not here by then is encoded locally (counted, logged), as no request can wait there.
 
+Both (`ec_both`: an instance the proxy switches between encoder, prefill and decode by
+routing alone): a producer and a consumer at once, each part as above, for every
+request. A request it encodes for others (the proxy's E hop: the image, one output
+token) is first looked for in the MM Store like any other: missing, it is encoded here
+(counted as `encoded_locally`), stored by the worker and published in its
+`ec_transfer_params`; stored already (another encoder had it), it is loaded, not
+encoded again, and published all the same. A request it prefills takes its features
+from the store as a consumer does. vLLM runs the whole model on it (it is a consumer:
+vLLM's encoder-only mode is for a producer that is not), and saves what it encodes
+through `save_caches` as on a producer.
+
 vLLM before 0.32 calls less of this (compat.py): no `request_finished` (holds are given
 back when the request shows up in `finished_req_ids`, which is correct on every vLLM;
 and no `ec_transfer_params`), no way to fail a request (one that carries only a

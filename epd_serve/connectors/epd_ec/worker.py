@@ -8,6 +8,12 @@ cache. The scheduler side read those bytes before it promised them (loader.py), 
 load here cannot miss: nothing in a step waits on the store. Where the engine exports
 spans, each load is one of its request's timeline ("features load": from the hint, or
 from when the request needed it, until it is in the encoder cache).
+An `ec_both` worker is both: it stores what it encodes and loads what its scheduler
+side read. A feature it loaded is not stored again: the saves of a step are started
+before its loads (vLLM 0.32 calls `start_save_caches` first; before, our
+`bind_connector_metadata` does that work, also first), and `save_caches` comes only
+for what the encoder ran on. Its saves and loads take turns over the same staging
+buffers.
 """
 
 from __future__ import annotations

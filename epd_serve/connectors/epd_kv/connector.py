@@ -1,5 +1,8 @@
 """`EPDKVConnector`: vLLM's view of our layer-grouped push connector.
 
+Runs as kv_producer (prefill: sends), kv_consumer (decode: receives) or kv_both
+(either, decided request by request from its `kv_transfer_params`: scheduler.py).
+
 Loaded in every vLLM process through `kv_connector_module_path` (API server for its
 stats classes, engine core for the scheduler side, workers for the worker side). A
 thin facade: each call goes to `EPDKVScheduler` or `EPDKVWorker`; nothing here touches
@@ -15,7 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from epd_serve.connectors import compat
 from epd_serve.connectors.epd_kv.metadata import StepPlan
 from epd_serve.connectors.epd_kv.scheduler import EPDKVScheduler
-from epd_serve.connectors.epd_kv.settings import Settings
+from epd_serve.connectors.epd_kv.settings import KV_ROLES, SENDING_ROLES, Settings
 from epd_serve.connectors.epd_kv.stats import EPDKVPromMetrics, EPDKVStats
 
 
@@ -26,9 +29,10 @@ class EPDKVConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = vllm_config.kv_transfer_config
-        if transfer.kv_role not in ("kv_producer", "kv_consumer"):
-            raise ValueError(f"EPDKVConnector runs as kv_producer (prefill) or kv_consumer "
-                             f"(decode), not {transfer.kv_role!r}")
+        if transfer.kv_role not in KV_ROLES:
+            raise ValueError(f"EPDKVConnector runs as kv_producer (prefill), kv_consumer "
+                             f"(decode) or kv_both (either, request by request), not "
+                             f"{transfer.kv_role!r}")
         settings = Settings.from_extra_config(dict(transfer.kv_connector_extra_config))
         self.scheduler: EPDKVScheduler | None = None
         self.worker = None
@@ -54,12 +58,14 @@ class EPDKVConnector(KVConnectorBase_V1):
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        # Prefill's per-layer save hook must run between graph pieces. Decode's hooks
-        # do nothing, so it keeps full decode graphs (the HAL writes the role into the
-        # extra config; without it, assume prefill), as does `whole` mode, which sends
-        # after the pass.
+        # Prefill's per-layer save hook must run between graph pieces, and so must that
+        # of a kv_both instance, which may prefill for another instance at any step.
+        # Decode's hooks do nothing, so a kv_consumer keeps full decode graphs (the HAL
+        # writes the role into the extra config; without it, assume prefill), as does
+        # `whole` mode, which sends after the pass.
         settings = Settings.from_extra_config(dict(extra_config))
-        return settings.role != "kv_consumer" and settings.mode != "whole"
+        may_send = settings.role in ("", *SENDING_ROLES)
+        return may_send and settings.mode != "whole"
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config) -> str | None:

@@ -1,8 +1,10 @@
 """Decode side: reserve blocks with the prefill worker, learn when the KV has landed,
 and turn every way a transfer can go wrong into a recompute.
 
-Runs in a decode engine's worker process. The model's thread calls `reserve` (before
-the step that follows the allocation) and `take_results` (after each step); the
+Runs in a decode engine's worker process (a kv_consumer, or a kv_both one beside a
+Sender: its side channel only connects to the prefill workers' and binds no port, so
+the Sender's kv_port stays its own). The model's thread calls `reserve` (before the
+step that follows the allocation) and `take_results` (after each step); the
 side-channel thread (which touches no device: prefill writes into decode's memory, so
 it sets none) handles prefill's messages and, every tick, the checks:
 - a reservation the prefill worker does not acknowledge within `ack_timeout_s`: decode

@@ -12,6 +12,13 @@ touch the network (workers do that).
 - prefill (`kv_producer`): every step that computes part of a `do_remote_decode`
   request's prompt tells the workers which blocks and tokens that step writes; when the
   request finishes its blocks stay pinned until the workers report the writes done.
+  Every request it computes waits for its encoder features first (feature_gate.py).
+- both (`kv_both`): an instance the proxy may use as prefill or as decode, switching
+  at run time by routing alone. Each request is taken as its own parameters ask: one
+  with `do_remote_decode` is prefilled and sent as above, one with `do_remote_prefill`
+  received as above, one with neither computed here (through the feature gate, as on
+  prefill); one with both is refused. Sends and receives of different requests run
+  side by side, in the same steps.
 
 A request's parameters are read through protocols/epd_push.py's structs. Ones that do
 not match (decode's `remote_port` missing, a renamed key, an `epd_v` this connector does
@@ -34,7 +41,7 @@ from msgspec import UNSET
 from epd_serve.connectors import feature_gate
 from epd_serve.connectors.epd_kv import messages as msg
 from epd_serve.connectors.epd_kv.metadata import StepPlan, TransferReport
-from epd_serve.connectors.epd_kv.settings import Settings
+from epd_serve.connectors.epd_kv.settings import RECEIVING_ROLES, SENDING_ROLES, Settings
 from epd_serve.connectors.spans import ConnectorSpans
 from epd_serve.protocols import epd_push as wire
 from epd_serve.protocols.epd_push import REPORT_KEY, DecodeParams, PrefillParams
@@ -50,7 +57,10 @@ class EPDKVScheduler:
         self.vllm_config = vllm_config
         self.block_size = vllm_config.cache_config.block_size
         role = vllm_config.kv_transfer_config.kv_role
-        self.is_producer = role == "kv_producer"
+        # What this instance may do with a request's KV; kv_both may do either, and
+        # which one a request gets is read from its own parameters (_hand_off).
+        self.sends = role in SENDING_ROLES
+        self.receives = role in RECEIVING_ROLES
         # request id -> (Request being prefilled, its parameters)
         self._sending: dict[str, tuple[Any, PrefillParams]] = {}
         # Their blocks, from the scheduler outputs (vLLM before 0.32 lends a connector
@@ -64,8 +74,27 @@ class EPDKVScheduler:
         self._reports: dict[str, dict[str, Any]] = {}
         # request id -> the report of parameters refused, returned when it finishes
         self._refused: dict[str, dict[str, Any]] = {}
-        self.spans = None if self.is_producer else ConnectorSpans.of(vllm_config)
+        self.spans = ConnectorSpans.of(vllm_config) if self.receives else None
         self._trace_headers: dict[str, Mapping[str, str]] = {}  # receiving, traced
+
+    def _hand_off(self, request) -> str | None:
+        """What this instance does with the request's KV: "receive" it (decode, asked
+        by `do_remote_prefill`), "send" it (prefill, asked by `do_remote_decode`), or
+        None: computed here, nothing handed off. A kv_producer or kv_consumer reads only
+        its own flag, as it always has; a kv_both instance refuses a request that asks
+        for both (a proxy bug), and computes it."""
+        params = request.kv_transfer_params
+        if not params:
+            return None
+        receive = self.receives and bool(params.get("do_remote_prefill"))
+        send = self.sends and bool(params.get("do_remote_decode"))
+        if receive and send:
+            self._refuse(request, "kv_both", "kv_transfer_params: "
+                         "`do_remote_prefill` and `do_remote_decode` are both set; a "
+                         "request's KV is either received here or sent from here")
+            params["do_remote_prefill"] = params["do_remote_decode"] = False
+            return None
+        return "receive" if receive else "send" if send else None
 
     def _read(self, request, kind: type[P]) -> P | None:
         """The request's kv_transfer_params as `kind`; None, refused, where they do not
@@ -73,44 +102,56 @@ class EPDKVScheduler:
         try:
             return from_dict(kind, request.kv_transfer_params, "kv_transfer_params")
         except ParamsError as err:
-            side = "prefill" if self.is_producer else "decode"
-            logger.error("epd-kv: %s refuses the KV transfer of request %s, no transfer: %s",
-                         side, request.request_id, err)
-            self._refused[request.request_id] = {REPORT_KEY: to_dict(wire.refusal(str(err)))}
+            # Named by what the parameters ask of this instance, not by its role: a
+            # kv_both instance is the prefill of some requests and the decode of others.
+            self._refuse(request, "prefill" if kind is PrefillParams else "decode", str(err))
             return None
 
-    # -- decode ---------------------------------------------------------------
+    def _refuse(self, request, side: str, reason: str) -> None:
+        """Loudly, naming the field: the refusal goes back in the request's own report,
+        for the proxy to fail the request (no call here can)."""
+        logger.error("epd-kv: %s refuses the KV transfer of request %s, no transfer: %s",
+                     side, request.request_id, reason)
+        self._refused[request.request_id] = {REPORT_KEY: to_dict(wire.refusal(reason))}
+
+    # -- before allocation -----------------------------------------------------------
     def get_num_new_matched_tokens(self, request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
-        if self.is_producer:
-            # None keeps the request waiting while its encoder features are read: the one
-            # call every scheduler makes before it schedules encoder inputs.
-            if not feature_gate.features_ready(self.vllm_config, request, num_computed_tokens):
-                return None, False
-            return 0, False
-        params = request.kv_transfer_params
-        if not params or not params.get("do_remote_prefill"):
-            return 0, False
+        if self._hand_off(request) == "receive":
+            return self._remote_tokens(request, num_computed_tokens)
+        # Prefilled here (its KV sent on, or not): None keeps the request waiting while
+        # its encoder features are read, the one call every scheduler makes before it
+        # schedules encoder inputs (feature_gate.py). A kv_consumer asks nothing, as
+        # before kv_both.
+        if self.sends and not feature_gate.features_ready(self.vllm_config, request,
+                                                          num_computed_tokens):
+            return None, False
+        return 0, False
+
+    def _remote_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        """Decode: the prompt's tokens past this engine's own prefix hit come from the
+        prefill instance, asynchronously."""
         if self._read(request, DecodeParams) is None:
             # Refused: computed here (no call fails it), the proxy fails it on the report.
-            params["do_remote_prefill"] = False
+            request.kv_transfer_params["do_remote_prefill"] = False
             return 0, False
         count = len(request.prompt_token_ids or []) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        params = request.kv_transfer_params
-        if not params:
-            return
-        if self.is_producer:
-            if params.get("do_remote_decode"):
-                sent = self._read(request, PrefillParams)
-                if sent is not None:
-                    self._sending[request.request_id] = (request, sent)
-            return
-        if not params.get("do_remote_prefill"):
-            return
-        params["do_remote_prefill"] = False  # one transfer per request, even if preempted
+        hand_off = self._hand_off(request)
+        if hand_off == "send":
+            sent = self._read(request, PrefillParams)
+            if sent is not None:
+                self._sending[request.request_id] = (request, sent)
+        elif hand_off == "receive":
+            self._reserve(request, blocks, num_external_tokens)
+
+    def _reserve(self, request, blocks, num_external_tokens: int) -> None:
+        """Decode: plan the reservation of the blocks just allocated for the prompt's KV
+        with the prefill instance its parameters name."""
+        # One transfer per request, even if it is preempted.
+        request.kv_transfer_params["do_remote_prefill"] = False
         wanted = self._read(request, DecodeParams)
         if wanted is None:
             return  # its refusal is reported when it finishes
@@ -190,19 +231,30 @@ class EPDKVScheduler:
         return bool(self._unreleased or self._finished_sends)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        request_id = request.request_id
+        refused = self._refused.pop(request_id, None)
+        self._shipped.pop(request_id, None)
+        self._block_ids.pop(request_id, None)
+        sending = self._sending.pop(request_id, None)
+        if sending is not None:
+            return self._sent(request, sending[1])
+        if not self.receives:
+            return False, refused
+        return self._received(request, refused)
+
+    def _sent(self, request, sent: PrefillParams) -> tuple[bool, None]:
+        """Prefill: the request's blocks stay pinned until the workers say no write of
+        its KV runs any more."""
+        aborted = request.status.name not in ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
+        self._finished_sends.append(msg.FinishedSend(request.request_id, sent.transfer_id,
+                                                     aborted))
+        self._unreleased.add(request.request_id)
+        return True, None
+
+    def _received(self, request, refused: dict | None) -> tuple[bool, dict | None]:
+        """Decode (or a request computed here on an instance that receives): the
+        transfer's report, or the refusal of its parameters, for the answer."""
         params = request.kv_transfer_params or {}
-        refused = self._refused.pop(request.request_id, None)
-        if self.is_producer:
-            self._shipped.pop(request.request_id, None)
-            self._block_ids.pop(request.request_id, None)
-            sending = self._sending.pop(request.request_id, None)
-            if sending is None:
-                return False, refused
-            aborted = request.status.name not in ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
-            self._finished_sends.append(msg.FinishedSend(
-                request.request_id, sending[1].transfer_id, aborted))
-            self._unreleased.add(request.request_id)
-            return True, None
         if params.get("do_remote_prefill"):
             # Aborted before blocks were allocated: prefill must not wait for us.
             params["do_remote_prefill"] = False

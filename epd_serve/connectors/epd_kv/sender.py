@@ -1,8 +1,10 @@
 """Prefill side: write each layer group's KV into the decode instance's memory while
 later layers are still computing.
 
-Runs in a prefill engine's worker process, on five threads, which share one state, the
-transfer table (sender_table.py), and change it only there, under its lock:
+Runs in a prefill engine's worker process (a kv_producer, or a kv_both one beside a
+Receiver, which shares only the link and the stats with it), on five threads, which
+share one state, the transfer table (sender_table.py), and change it only there, under
+its lock:
 - the model's thread calls `begin_step` (before the forward pass), `layer_saved`
   (after each attention layer wrote its KV) and `forward_done` (after the pass); it
   only queues jobs and never waits on the network (no thread holds the lock it takes

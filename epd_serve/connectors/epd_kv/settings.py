@@ -13,7 +13,14 @@ from epd_serve.connectors.epd_kv.grouping import MODES
 
 # vLLM 0.32's layout names (vllm/v1/kv_cache_layout.py); describe_layer reads them all.
 KV_CACHE_LAYOUTS = ("auto", "LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
-ROLES = ("", "kv_producer", "kv_consumer")
+# vLLM's kv_role values this connector runs as. A `kv_both` instance sends the KV of
+# the requests it prefills for another instance (`do_remote_decode`) and receives that
+# of the requests it decodes for one (`do_remote_prefill`), so that an instance can
+# change between prefill and decode at run time by the proxy's routing alone.
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+SENDING_ROLES = ("kv_producer", "kv_both")
+RECEIVING_ROLES = ("kv_consumer", "kv_both")
+ROLES = ("", *KV_ROLES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,8 +29,9 @@ class Settings:
     protocol: str = "tcp"  # transfer engine transport: tcp | rdma | ascend
     device_name: str = ""  # RDMA device(s) for the transfer engine ("" = every HCA found)
     gid_index: int | None = None  # RoCE GID index of those devices (MC_GID_INDEX)
-    role: str = ""  # kv_producer | kv_consumer, copied here by the HAL: vLLM asks some
+    # kv_producer | kv_consumer | kv_both, copied here by the HAL: vLLM asks some
     # classmethods (requires_piecewise_for_cudagraph) with the extra config alone
+    role: str = ""
     # The KV cache layout asked of vLLM ("auto": the attention backend's choice; before
     # vLLM 0.32 only LBHNC and LBNHC, asked as HND and NHD: compat.py).
     # LBHNC is the one every backend that declares layouts accepts (the CPU's only one,

@@ -1,9 +1,13 @@
 """Worker side of the epd KV connector: the KV cache, the transfer engine, and the
-prefill sender or decode receiver of this worker.
+prefill sender and/or decode receiver of this worker.
 
 Runs in each engine worker process (one per tensor-parallel rank); rank r's side
 channel listens on `kv_port + r` and talks only to rank r of the other engine (both
-engines must use the same tensor-parallel size).
+engines must use the same tensor-parallel size). A kv_producer runs a Sender, a
+kv_consumer a Receiver, a kv_both worker both, over its one transfer engine (one link,
+every KV region registered once): its sender listens on `kv_port + r` for the decode
+instances it prefills for, its receiver reaches the prefill instances it decodes for at
+theirs. The two share nothing else but the stats they record into.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from epd_serve.connectors.epd_kv.metadata import StepPlan, TransferReport
 from epd_serve.connectors.epd_kv.receiver import Receiver
 from epd_serve.connectors.epd_kv.registration import MAX_ASCEND_REGIONS, kv_regions
 from epd_serve.connectors.epd_kv.sender import Sender
-from epd_serve.connectors.epd_kv.settings import Settings
+from epd_serve.connectors.epd_kv.settings import RECEIVING_ROLES, SENDING_ROLES, Settings
 from epd_serve.connectors.epd_kv.startup import open_link
 from epd_serve.connectors.epd_kv.stats import EPDKVStats
 from epd_serve.connectors.epd_kv.transfer import Link
@@ -46,7 +50,8 @@ class EPDKVWorker:
         transfer = vllm_config.kv_transfer_config
         self.settings = settings
         self.engine_id = transfer.engine_id
-        self.is_producer = transfer.kv_role == "kv_producer"
+        self.sends = transfer.kv_role in SENDING_ROLES  # runs a Sender
+        self.receives = transfer.kv_role in RECEIVING_ROLES  # runs a Receiver
         self.port = transfer.kv_port
         self.block_size = vllm_config.cache_config.block_size
         # The physical KV layout vLLM resolved (LBHNC, LBNHC, ...; HND or NHD before
@@ -68,34 +73,45 @@ class EPDKVWorker:
         self.layer_index = {name: i for i, name in enumerate(names)}
         layouts = [describe_layer(kv_caches[name], self.num_blocks) for name in names]
         device = layer_tensors(kv_caches[names[0]])[0].device
-        # Prefill registers its calibration buffer as well: one region less for the KV.
+        # A sender registers its calibration buffer as well: one region less for the KV.
         regions = kv_regions({name: kv_caches[name] for name in names}, device.type,
-                             MAX_ASCEND_REGIONS - (1 if self.is_producer else 0))
-        scratch = np.zeros(CALIBRATION_BYTES, dtype=np.uint8) if self.is_producer else None
+                             MAX_ASCEND_REGIONS - (1 if self.sends else 0))
+        scratch = np.zeros(CALIBRATION_BYTES, dtype=np.uint8) if self.sends else None
         self._scratch = scratch  # registered memory must outlive the engine
         link, model = open_link(self.settings, regions, device.type,
                                 None if scratch is None else (scratch.ctypes.data, scratch.nbytes),
                                 make_link=Link)
-        layout = f"{self.layout_name or 'KV'} layout, block " + "; ".join(map(str, layouts[0].forms))
-        if self.is_producer:
-            logger.info("epd-kv prefill rank %d: %d KV layers (%s), %d B per block and layer, "
-                        "side channel %s:%d, transfer engine %s over %s, link calibrated at "
-                        "%.3f ms per write + %.2f GB/s, mode %s", self.rank, len(layouts),
-                        layout, layouts[0].block_bytes, self.settings.host,
-                        self.port + self.rank, link.session_id, link.transport,
-                        model.overhead_s * 1e3, model.bytes_per_s / 1e9, self.settings.mode)
-            self.sender = Sender(link, layouts, self.block_size, self.engine_id, self.rank,
-                                 self.settings, model, self.stats, marker(device),
-                                 self.layout_name, device_setter(device))
-            self.sender.start(self.port + self.rank)
-        else:
-            logger.info("epd-kv decode rank %d: %d KV layers (%s), transfer engine %s over %s",
-                        self.rank, len(layouts), layout, link.session_id, link.transport)
-            self.receiver = Receiver(layouts, self.block_size, self.engine_id, self.rank,
-                                     link.session_id, self.settings, self.stats,
-                                     self.layout_name)
-            self.receiver.start()
         self.link = link
+        layout = f"{self.layout_name or 'KV'} layout, block " + "; ".join(map(str, layouts[0].forms))
+        if self.sends:
+            self._start_sender(layouts, layout, model, device)
+        if self.receives:
+            self._start_receiver(layouts, layout)
+
+    def _start_sender(self, layouts: list, layout: str, model, device) -> None:
+        """Prefill's side: its side channel takes decode's reservations on kv_port + rank."""
+        link = self.link
+        logger.info("epd-kv prefill rank %d: %d KV layers (%s), %d B per block and layer, "
+                    "side channel %s:%d, transfer engine %s over %s, link calibrated at "
+                    "%.3f ms per write + %.2f GB/s, mode %s", self.rank, len(layouts),
+                    layout, layouts[0].block_bytes, self.settings.host,
+                    self.port + self.rank, link.session_id, link.transport,
+                    model.overhead_s * 1e3, model.bytes_per_s / 1e9, self.settings.mode)
+        self.sender = Sender(link, layouts, self.block_size, self.engine_id, self.rank,
+                             self.settings, model, self.stats, marker(device),
+                             self.layout_name, device_setter(device))
+        self.sender.start(self.port + self.rank)
+
+    def _start_receiver(self, layouts: list, layout: str) -> None:
+        """Decode's side: reserves with the prefill workers its requests name; prefill
+        writes into this worker's registered KV through the same transfer engine."""
+        logger.info("epd-kv decode rank %d: %d KV layers (%s), transfer engine %s over %s",
+                    self.rank, len(layouts), layout, self.link.session_id,
+                    self.link.transport)
+        self.receiver = Receiver(layouts, self.block_size, self.engine_id, self.rank,
+                                 self.link.session_id, self.settings, self.stats,
+                                 self.layout_name)
+        self.receiver.start()
 
     # -- per step ---------------------------------------------------------------
     def begin_step(self, plan: StepPlan) -> None:
@@ -116,10 +132,11 @@ class EPDKVWorker:
             self.sender.forward_done()
 
     def transfer_results(self, finished_req_ids: set[str]) -> TransferResults:
-        if self.sender is not None:
-            return TransferResults(self.sender.take_finished(), set(), set(), set())
+        """The sender's finished sends and the receiver's results, merged: a kv_both
+        worker has both, for different requests."""
+        sending = self.sender.take_finished() if self.sender is not None else set()
         if self.receiver is None:
-            return TransferResults(set(), set(), set(), set())
+            return TransferResults(sending, set(), set(), set())
         if finished_req_ids:
             self.receiver.abort(finished_req_ids)
         finished, failed, reports = self.receiver.take_results()
@@ -129,7 +146,7 @@ class EPDKVWorker:
             blocks = self._receiving_blocks.pop(request_id, [])
             if request_id in failed:
                 failed_blocks.update(blocks)
-        return TransferResults(set(), finished, failed, failed_blocks)
+        return TransferResults(sending, finished, failed, failed_blocks)
 
     def take_reports(self) -> TransferReport | None:
         if not self._reports:

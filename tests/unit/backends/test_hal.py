@@ -263,3 +263,44 @@ def test_hardware_packages_are_not_imported_by_the_backends():
 def test_unknown_platform_is_refused():
     with pytest.raises(ValueError, match="choose one of cpu, cuda, ascend"):
         get_platform("tpu")
+
+
+def test_switchable_instances_are_full_engines_with_both_ends_of_each_handoff():
+    dep = resolved("cpu", "E~-E-P-D~")
+    inst = by_name(dep)
+    e_cmd, _, e = inst["e0"]
+    assert "--mm-encoder-only" not in e_cmd and not e.encoder_only  # E~ loads the LLM too
+    assert "--mm-encoder-only" in inst["e1"][0]
+    for name in ("e0", "d0"):
+        cmd, _, launch = inst[name]
+        kv = json.loads(flag(cmd, "--kv-transfer-config"))
+        ec = json.loads(flag(cmd, "--ec-transfer-config"))
+        assert (kv["kv_role"], ec["ec_role"]) == ("kv_both", "ec_both")
+        assert kv["kv_load_failure_policy"] == "recompute"  # it may decode
+        assert kv["kv_connector_extra_config"]["role"] == "kv_both"
+        assert launch.prefetch_port is not None  # it may prefill: it takes prefetch hints
+    # A plain E or P keeps its one end.
+    assert json.loads(flag(inst["e1"][0], "--ec-transfer-config"))["ec_role"] == "ec_producer"
+    assert json.loads(flag(inst["p0"][0], "--kv-transfer-config"))["kv_role"] == "kv_producer"
+    # Memory: a switchable encoder weighs as a language-model instance, and holds a KV
+    # cache in host memory where the encoder-only one holds none.
+    assert memory_shares(parse("(E~-P)-D")) == {"e0": 0.5, "p0": 0.5, "d0": 1.0}
+    cpu = get_platform("cpu")
+    assert cpu.host_memory_gib(e) == cpu.host_memory_gib(inst["d0"][2]) \
+        > cpu.host_memory_gib(inst["e1"][2]) + 1.0
+
+
+def test_switchable_instances_reach_the_proxy_with_their_kv_and_prefetch_endpoints():
+    from epd_serve.runtime.plan import proxy_config
+
+    entries = {e.name: e for e in proxy_config(resolved("cpu", "E~-P-D~")).instances}
+    assert entries["e0"].switchable and entries["d0"].switchable
+    assert not entries["p0"].switchable
+    for name in ("e0", "d0"):  # either may become the prefill whose KV a decode pulls
+        assert entries[name].kv_endpoint and entries[name].prefetch_endpoint
+
+
+def test_switchable_instances_need_a_kv_connector_that_sends_and_receives():
+    with pytest.raises(schema.ConfigError, match="d0 may switch role.*kv_both.*'mooncake' "
+                       "does not: use kv_connector 'epd'"):
+        resolved("cpu", "P-D~", kv_connector="mooncake")

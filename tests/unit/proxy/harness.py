@@ -95,12 +95,14 @@ class Deployment:
 @contextlib.contextmanager
 def deployment(roles: list[str], dead: set[str] = frozenset(), failing: dict | None = None,
                protocol: str = "epd", client_headers: dict | None = None, **settings):
-    """Fake instances for `roles` (e.g. ["E", "P", "D"]) behind a proxy that hands KV off
-    with `protocol`; `settings` are ProxyConfig fields (routing, limits, ...)."""
+    """Fake instances for `roles` (e.g. ["E", "P", "D"]; "D~": one that may switch role)
+    behind a proxy that hands KV off with `protocol`; `settings` are ProxyConfig fields
+    (routing, limits, ...)."""
     failing = failing or {}
     with contextlib.ExitStack() as stack:
         entries, apps = [], {}
-        for i, role in enumerate(roles):
+        for i, written in enumerate(roles):
+            role, switchable = written.removesuffix("~"), written.endswith("~")
             name = f"{role.lower()}{i}"
             app = create_fake_app(name, fail_status=failing.get(name))
             apps[name] = app
@@ -108,8 +110,8 @@ def deployment(roles: list[str], dead: set[str] = frozenset(), failing: dict | N
                 url = "http://127.0.0.1:9"  # nothing listens: connection refused
             else:
                 url = stack.enter_context(ThreadedServer(app)).url
-            entry = {"name": name, "roles": role, "url": url}
-            if "P" in role and "D" not in role:
+            entry = {"name": name, "roles": role, "url": url, "switchable": switchable}
+            if ("P" in role and "D" not in role) or switchable:
                 # mooncake: the bootstrap server (the fake answers /query itself);
                 # epd: the side channel, which only decode instances talk to (the fakes
                 # never do: the address is only handed on, and tests check it was).

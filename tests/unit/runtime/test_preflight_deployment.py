@@ -117,7 +117,9 @@ def test_host_memory_of_a_cpu_instance_follows_its_kv_cache():
     assert default["d0"] == pytest.approx(3.35 + 2, abs=0.01)
     assert default["p0"] == pytest.approx(3.35 + 1, abs=0.01)
     smaller = _resolved("cpu", "E-P-D", env={"VLLM_CPU_KVCACHE_SPACE": "1"}).launches
-    assert cpu.host_memory_gib(smaller[0]) == pytest.approx(3.35 + 1, abs=0.01)
+    assert cpu.host_memory_gib(smaller[1]) == pytest.approx(3.35 + 1, abs=0.01)
+    # An encoder-only instance allocates no KV cache (measured: benchmarks/encoder_kind.py).
+    assert cpu.host_memory_gib(smaller[0]) == default["e0"] == pytest.approx(3.35, abs=0.01)
 
 
 def test_host_memory_of_a_device_instance_grows_with_its_ranks():

@@ -92,3 +92,23 @@ def test_cli_reports_bad_notation_in_one_line():
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0
     assert "position 2" in proc.stderr
+
+
+def test_a_tilde_marks_an_instance_that_may_switch_role():
+    plan = notation.parse("2E~1P2D~")
+    assert [(i.name, i.roles, i.switchable) for i in plan.instances] == [
+        ("e0", "E", True), ("e1", "E", True), ("p0", "P", False), ("d0", "D", True),
+        ("d1", "D", True)]
+    assert plan.to_notation() == "2E~-P-2D~" and notation.parse(plan.to_notation()) == plan
+    assert notation.parse("(E~-P)-D").to_notation() == "(E~-P)-D"
+    assert not any(i.switchable for i in notation.parse("E-P-D").instances)
+
+
+@pytest.mark.parametrize("text, says", [
+    ("EP~-D", "only a single-stage instance"),
+    ("P-D~~", "unexpected character '~'"),
+    ("~P-D", "unexpected character '~'"),
+])
+def test_a_tilde_anywhere_else_is_refused(text, says):
+    with pytest.raises(notation.NotationError, match=says):
+        notation.parse(text)
