@@ -15,6 +15,7 @@ from epd_serve.deployment.schema import ArgValue, ConfigError, Deployment
 from epd_serve.backends.hal import InstanceLaunch, Platform, ec_role_for, kv_role_for, memory_shares
 from epd_serve.protocols.registry import PROTOCOLS, get_protocol
 from epd_serve.mmstore.spec import StoreSpec
+from epd_serve.mmstore.transfer_engines import EXCLUSIVE
 from epd_serve.topology import notation
 from epd_serve.topology.placement import ClusterSpec, PlacementError, Slot, place
 
@@ -43,6 +44,7 @@ def resolve(config: Deployment, root: Path) -> ResolvedDeployment:
     shares = memory_shares(plan)
     protocol = kv_protocol_of(config, platform)
     store = store_spec_of(config, platform)
+    _check_switchable_store(config, store)
     engine_python = engine_python_of(config, root)
     launches = []
     next_kv_port = config.kv_base_port
@@ -131,6 +133,19 @@ def _check_store_on_head(cluster: ClusterSpec, name: str, launches: list[Instanc
                           "mm_store: {backend: mooncake} to share features across nodes")
 
 
+def _check_switchable_store(config: Deployment, store: StoreSpec | None) -> None:
+    """A switchable instance's workers publish features (ec_both) beside their KV link:
+    two transfer engines in one process, which Ascend's transport refuses (one per
+    process: mmstore/transfer_engines.py). Said here, not at the engine's start."""
+    switchable = [i.name for i in config.plan.instances if i.switchable]
+    if switchable and store is not None and store.backend == "mooncake" \
+            and store.protocol in EXCLUSIVE:
+        raise ConfigError(f"{config.name}: {', '.join(switchable)} may switch role (~), so "
+                          f"each worker would hold the Mooncake MM Store's client beside its "
+                          f"KV transfer engine, and the {store.protocol} transport allows one "
+                          "per process: use mm_store: {backend: shm} on one node, or no '~'")
+
+
 def kv_protocol_of(config: Deployment, platform: Platform) -> str:
     """The deployment's KV protocol, checked against its platform and settings."""
     name = config.kv_connector or platform.default_kv_protocol
@@ -159,9 +174,11 @@ def feature_refs_of(config: Deployment, platform: Platform) -> str:
 
 def store_spec_of(config: Deployment, platform: Platform) -> StoreSpec | None:
     """The deployment's MM Store, or None where features go through vLLM's file
-    connector or nothing is encoded apart (no encoder-only instance)."""
+    connector or nothing is encoded apart (no encoder instance, nor one that may
+    switch to E)."""
     store = config.mm_store
-    if store.backend == "file" or not any(i.roles == "E" for i in config.plan.instances):
+    may_encode = any(i.roles == "E" or i.switchable for i in config.plan.instances)
+    if store.backend == "file" or not may_encode:
         return None
     if (why := platform.own_connectors_unavailable) is not None:
         if "backend" not in store.model_fields_set:

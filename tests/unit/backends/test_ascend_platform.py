@@ -134,3 +134,13 @@ def test_the_two_node_file_shares_features_through_mooncake_store_on_the_ascend_
     decode = [l for l in dep.launches if l.name.startswith("d")]
     assert decode and {l.node for l in decode} == {"node1"}
     assert all(l.mm_store == store for l in decode)
+
+
+def test_switchable_instances_with_the_mooncake_store_on_ascends_transport_are_refused():
+    """Their workers would publish features beside their KV link: two transfer engines
+    in one process, which Ascend's transport refuses; the shm store is fine."""
+    path = REPO / "configs/atlas-800i-a2/two-node.yaml"
+    assert bringup.load(path).plan.to_notation() == "2E-6P-8D"
+    with pytest.raises(schema.ConfigError, match=r"may switch role \(~\).*allows one per process"):
+        bringup.load(path, deployment="2E-6P-8D~")
+    assert any(l.kv_role == "kv_both" for l in resolved("E-P-D~").launches)
