@@ -64,12 +64,24 @@ def _row(inst: dict) -> list:
     engine = inst.get("engine")
     engine = engine if isinstance(engine, dict) else {}
     return [
-        _text(inst.get("name")), _text(inst.get("roles")), _text(inst.get("url")),
+        _text(inst.get("name")), _roles(inst), _text(inst.get("url")),
         _text(inst.get("source")), _health(inst),
         _count(inst.get("in_flight")), _count(inst.get("served")), _count(inst.get("failures")),
         _count(engine.get("running")), _count(engine.get("waiting")),
         _percent(engine.get("kv_cache_usage")), inst.get("last_error"),
     ]
+
+
+def _roles(inst: dict) -> str:
+    """What it serves; for a switchable one "~", the role it started in if a switch
+    moved it, and the role it is draining towards: "D~ (was E)", "P~ -> D"."""
+    roles = _text(inst.get("roles"))
+    if inst.get("switchable") is not True:
+        return roles
+    target, started = inst.get("switching_to"), inst.get("started_as")
+    if target:
+        return f"{roles}~ -> {target}"
+    return f"{roles}~ (was {started})" if started and started != roles else f"{roles}~"
 
 
 def _health(inst: dict) -> Text:

@@ -245,3 +245,15 @@ def test_cli_watch_keeps_the_last_table_while_the_proxy_is_away(monkeypatch, cap
     out = capsys.readouterr().out
     assert "cannot reach the proxy at http://p/status: refused; showing the last answer" in out
     assert "http://127.0.0.1:8101" in out.rsplit("showing the last answer", 1)[0]
+
+
+def test_switchable_instances_show_where_they_started_and_where_they_are_going():
+    status = {"instances": [
+        {"name": "e0", "roles": "D", "started_as": "E", "switchable": True, "healthy": True},
+        {"name": "p1", "roles": "P", "started_as": "P", "switchable": True,
+         "switching_to": "D", "healthy": True},
+        {"name": "d2", "roles": "D", "started_as": "D", "switchable": True, "healthy": True},
+        {"name": "d3", "roles": "D", "started_as": "D", "switchable": False, "healthy": True}]}
+    text = text_of(status)
+    assert "D~ (was E)" in text and "P~ -> D" in text
+    assert re.search(r"d2\s+D~\s", text) and re.search(r"d3\s+D\s", text)

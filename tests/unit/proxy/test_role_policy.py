@@ -85,3 +85,12 @@ def test_an_emptied_encoder_stage_weighs_the_work_prefill_does_for_it_and_gets_o
     assert (decision.instance, decision.source, decision.target) == ("d0", "D", "E")
     # A vacant stage gives nothing up, and nothing is asked of it when idle.
     assert RolePolicy(RULE).observe(members, 0.0, vacant={"E": 0}) is None
+
+
+def test_one_key_turns_the_controller_on_with_the_rules_defaults():
+    from epd_serve.proxy.config import ProxySettings
+
+    settings = ProxySettings.model_validate({"role_control": True})
+    assert settings.role_control.enabled
+    assert RoleRule.of(settings.role_control) == RoleRule()  # the rule's own defaults
+    assert not ProxySettings().role_control.enabled  # off unless asked
