@@ -9,14 +9,17 @@ deployment set none. Handlers reach the running Proxy as `request.app[PROXY]`.
 from __future__ import annotations
 
 import hmac
+from typing import TypeVar
 
 from aiohttp import web
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from epd_serve.proxy.config import InstanceEntry
 from epd_serve.proxy.context import PROXY
 from epd_serve.proxy.errors import ProxyError, bad_request
 from epd_serve.proxy.tenancy import bearer_token
+
+M = TypeVar("M", bound=BaseModel)
 
 
 def require_admin(request: web.Request) -> None:
@@ -35,14 +38,19 @@ async def list_instances(request: web.Request) -> web.Response:
     return web.json_response(request.app[PROXY].table.to_dict())
 
 
-async def add_instance(request: web.Request) -> web.Response:
-    require_admin(request)
+async def read_admin_body(request: web.Request, model: type[M], what: str) -> M:
+    """An admin route's JSON body as `model`; a 400 naming the first field wrong."""
     try:
-        entry = InstanceEntry.model_validate_json(await request.read())
+        return model.model_validate_json(await request.read())
     except ValidationError as err:
         first = err.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "body"
-        raise bad_request(f"invalid instance: {where}: {first['msg']}", "malformed") from None
+        raise bad_request(f"invalid {what}: {where}: {first['msg']}", "malformed") from None
+
+
+async def add_instance(request: web.Request) -> web.Response:
+    require_admin(request)
+    entry = await read_admin_body(request, InstanceEntry, "instance")
     try:
         inst = request.app[PROXY].membership.register(entry)
     except KeyError:

@@ -11,12 +11,12 @@ the refusal's own status otherwise (roles.SwitchRefused: 400, 404, 409).
 from __future__ import annotations
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from epd_serve.proxy.context import PROXY
-from epd_serve.proxy.errors import ProxyError, bad_request
+from epd_serve.proxy.errors import ProxyError
 from epd_serve.proxy.roles import SwitchRefused
-from epd_serve.proxy.routes_instances import require_admin
+from epd_serve.proxy.routes_instances import read_admin_body, require_admin
 
 
 class SwitchAsked(BaseModel):
@@ -47,11 +47,7 @@ async def set_controller(request: web.Request) -> web.Response:
     finishes; none is started while it is off."""
     require_admin(request)
     proxy = request.app[PROXY]
-    try:
-        asked = ControllerAsked.model_validate_json(await request.read())
-    except ValidationError as err:
-        raise bad_request(f"invalid controller setting: {err.errors()[0]['msg']}",
-                          "malformed") from None
+    asked = await read_admin_body(request, ControllerAsked, "controller setting")
     proxy.controller.enabled = asked.enabled
     proxy.controller.policy.reset()
     return web.json_response(roles_view(proxy)["controller"])
@@ -64,12 +60,7 @@ async def list_roles(request: web.Request) -> web.Response:
 async def switch_role(request: web.Request) -> web.Response:
     require_admin(request)
     proxy = request.app[PROXY]
-    try:
-        asked = SwitchAsked.model_validate_json(await request.read())
-    except ValidationError as err:
-        first = err.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "body"
-        raise bad_request(f"invalid role switch: {where}: {first['msg']}", "malformed") from None
+    asked = await read_admin_body(request, SwitchAsked, "role switch")
     try:
         switch = proxy.roles.start(request.match_info["name"], asked.role)
     except SwitchRefused as err:

@@ -5,6 +5,7 @@ grows and back."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 
 import pytest
 
@@ -32,6 +33,15 @@ def roles_of(d) -> dict[str, str]:
 def switch(d, name: str, role: str, wait_s: float = 10.0):
     return d.client.post(f"/instances/{name}/role", json={"role": role, "wait_s": wait_s},
                          headers=ADMIN)
+
+
+@contextlib.contextmanager
+def answered(d, payloads: list[dict]):
+    """The requests sent at once; on leaving, every one must have been answered 200."""
+    with concurrent.futures.ThreadPoolExecutor(len(payloads)) as pool:
+        sent = [pool.submit(d.client.post, "/v1/chat/completions", json=p) for p in payloads]
+        yield sent
+        assert all(f.result().status_code == 200 for f in sent)
 
 
 def served_by(response) -> str:
@@ -139,11 +149,8 @@ def test_the_controller_moves_an_encoder_to_a_backed_up_decode_stage_and_back():
                "sustain_s": 0.2, "min_dwell_s": 0.5}
     with deployment(["E~", "P", "D"], role_control=control) as d:
         d.apps["d2"].state.delay_s = 1.5  # long answers: decode's queue grows
-        with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            texts = [pool.submit(d.client.post, "/v1/chat/completions", json=body(f"q{i}"))
-                     for i in range(6)]
+        with answered(d, [body(f"q{i}") for i in range(6)]):
             wait_for(lambda: roles_of(d)["e0"] == "D", "e0 moved to decode", timeout=10)
-            assert all(f.result().status_code == 200 for f in texts)
         decision = d.client.get("/roles").json()["controller"]["decisions"][0]
         assert (decision["instance"], decision["source"], decision["target"]) == ("e0", "E", "D")
         assert "D queue" in decision["reason"] and decision["started"]
@@ -157,21 +164,16 @@ def test_the_controller_moves_an_encoder_to_a_backed_up_decode_stage_and_back():
         def moves():
             return [(s["source"], s["target"]) for s in d.client.get("/roles").json()["switches"]]
 
-        with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            images = [pool.submit(d.client.post, "/v1/chat/completions",
-                                  json=body("what is this?", [IMAGE])) for _ in range(6)]
+        with answered(d, [body("what is this?", [IMAGE]) for _ in range(6)]):
             wait_for(lambda: "E" in roles_of(d).values(), "an encoder again", timeout=10)
-            assert all(f.result().status_code == 200 for f in images)
         assert moves()[0] == ("E", "D") and ("D", "E") in moves()
 
 
 def test_with_the_controller_off_nothing_switches_under_the_same_load():
     with deployment(["E~", "P", "D"]) as d:
         d.apps["d2"].state.delay_s = 0.5
-        with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            texts = [pool.submit(d.client.post, "/v1/chat/completions", json=body(f"q{i}"))
-                     for i in range(6)]
-            assert all(f.result().status_code == 200 for f in texts)
+        with answered(d, [body(f"q{i}") for i in range(6)]):
+            pass
         roles = d.client.get("/roles").json()
         assert roles["controller"] == {"enabled": False, "decisions": []}
         assert roles["switches"] == [] and roles_of(d)["e0"] == "E"
@@ -184,10 +186,7 @@ def test_the_controller_is_turned_on_and_off_while_serving_with_the_admin_key():
         on = d.client.post("/roles/controller", json={"enabled": True}, headers=ADMIN)
         assert on.status_code == 200 and on.json()["enabled"] is True
         d.apps["d2"].state.delay_s = 1.5
-        with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            texts = [pool.submit(d.client.post, "/v1/chat/completions", json=body(f"q{i}"))
-                     for i in range(6)]
+        with answered(d, [body(f"q{i}") for i in range(6)]):
             wait_for(lambda: roles_of(d)["e0"] == "D", "e0 moved to decode", timeout=10)
-            assert all(f.result().status_code == 200 for f in texts)
         off = d.client.post("/roles/controller", json={"enabled": False}, headers=ADMIN)
         assert off.json()["enabled"] is False
