@@ -20,7 +20,6 @@ Run it in a loopback-only network namespace (Mooncake listens everywhere):
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import tempfile
 import time
@@ -123,5 +122,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("EPD_ADMIN_KEY", "unused")
     raise SystemExit(main())

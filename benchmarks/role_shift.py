@@ -187,8 +187,8 @@ def measure(dep, args) -> int:
     all_on, all_off, switch_ms, lost, wrong = [], [], [], 0, 0
     for scenario in args.scenarios.split(","):
         bodies, shift = requests_for(scenario, args.requests, model)
-        plain = [{**b, "stream": False} for b in bodies]
-        plain = [{k: v for k, v in b.items() if k != "stream_options"} for b in plain]
+        plain = [{**{k: v for k, v in b.items() if k != "stream_options"}, "stream": False}
+                 for b in bodies]
         with httpx.Client(timeout=900) as client, ThreadPoolExecutor(4) as pool:
             # One instance alone, the reference.
             expected = list(pool.map(lambda b: client.post(

@@ -102,8 +102,9 @@ class Proxy:
         self.membership = Membership(self.table, self.session, self.metrics, self.config)
         self.membership.save()
         self.membership.start()
-        if any(e.switchable for e, _ in self.table.entries()):
-            self.membership.spawn(self.controller.run())  # acts only while enabled
+        # Runs whatever the roster (a switchable instance may register later); a round
+        # while it is off is one attribute read.
+        self.membership.spawn(self.controller.run())
 
     async def stop(self) -> None:
         await self.roles.stop()

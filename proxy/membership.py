@@ -82,6 +82,7 @@ class Membership:
     # -- the roster ----------------------------------------------------------------
     def register(self, entry: InstanceEntry) -> InstanceState:
         inst = self.table.add(entry, source="registered")  # KeyError if the name is taken
+        self.metrics.set_role(entry.name, entry.roles)
         self.save()
         log.info("instance %s (%s) registered at %s", entry.name, entry.roles, entry.url)
         self.spawn(self.probe(inst))  # routable once it answers

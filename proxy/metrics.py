@@ -69,7 +69,7 @@ class ProxyMetrics:
         self.switches = Counter(
             "epd_proxy_role_switches_total", "Role switches by instance, from, to and how "
             "they ended (done, abandoned: the drain outlasted role_drain_timeout_s, "
-            "cancelled).", ["instance", "source", "target", "outcome"], registry=r)
+            "cancelled, failed: an error of the proxy's).", ["instance", "source", "target", "outcome"], registry=r)
         self.switch_seconds = Histogram(
             "epd_proxy_role_switch_seconds", "From a role switch's decision to the instance "
             "serving its new role (the drain of its hops in flight).",

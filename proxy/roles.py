@@ -16,8 +16,9 @@ process, and a switch is a change of routing:
    prefill's KV waiting for its decode to pull it, features in the MM Store) lives in
    its engine's connectors, which serve them whatever the table says: a KV sender runs
    in every kv_both engine, and the store is its own process.
-A switch abandoned (its drain outlasting `role_drain_timeout_s`) or cancelled (asked
-back to its old role while draining) leaves the instance in its old role. Every switch
+A switch abandoned (its drain outlasting `role_drain_timeout_s`), cancelled (asked
+back to its old role while draining) or failed (an error of ours) leaves the instance
+in its old role, routable again. Every switch
 is kept with its timings (decision to serving), counted in the metrics and listed on
 /status and /roles.
 """
@@ -60,7 +61,7 @@ class Switch:
     reason: str  # "manual", or the controller's reason
     decided_at: float  # wall clock (time.time())
     in_flight_at_decision: int
-    outcome: str = "draining"  # draining | done | abandoned | cancelled
+    outcome: str = "draining"  # draining | done | abandoned | cancelled | failed
     serving_after_ms: float | None = None  # decision to serving the new role
     _started: float = dataclasses.field(default_factory=time.monotonic, repr=False)
     _task: asyncio.Task | None = dataclasses.field(default=None, repr=False)
@@ -132,7 +133,7 @@ class RoleSwitcher:
         self.history.append(switch)
         log.info("role switch %s %s -> %s (%s): draining %d hop(s) in flight", name,
                  switch.source, target, reason, inst.in_flight)
-        switch._task = asyncio.create_task(self._drain_and_flip(inst, switch))
+        switch._task = asyncio.create_task(self._carry_out(inst, switch))
         return switch
 
     async def wait(self, switch: Switch, timeout: float | None) -> Switch:
@@ -140,6 +141,18 @@ class RoleSwitcher:
         if switch._task is not None:
             await asyncio.wait([switch._task], timeout=timeout)
         return switch
+
+    async def _carry_out(self, inst: InstanceState, switch: Switch) -> None:
+        """The drain and the flip. An error of ours in them must not leave the instance
+        out of routing for good: the switch then ends "failed", said in the log, the
+        metrics and /roles, and the instance serves whatever role it holds."""
+        try:
+            await self._drain_and_flip(inst, switch)
+        except Exception:  # noqa: BLE001 - reported below; the instance must come back
+            log.exception("role switch %s %s -> %s failed; it keeps serving %s", inst.name,
+                          switch.source, switch.target, inst.roles)
+            if switch.outcome == "draining":
+                self._end(inst, switch, "failed")
 
     async def _drain_and_flip(self, inst: InstanceState, switch: Switch) -> None:
         deadline = switch._started + self.config.role_drain_timeout_s

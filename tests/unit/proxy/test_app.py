@@ -516,6 +516,8 @@ def test_instances_register_serve_and_leave_with_the_admin_key(monkeypatch, tmp_
         for _ in range(4):
             assert chat(d, "x").status_code == 200
         assert late.state.requests  # least-loaded shares decode with the newcomer
+        assert 'epd_proxy_instance_role{instance="d9",role="D"} 1.0' in d.client.get(
+            "/metrics").text
         assert [r["entry"]["name"] for r in json.loads(roster.read_text())] == ["p0", "d1", "d9"]
 
         # A restarted proxy starts from the kept roster.

@@ -190,3 +190,22 @@ def test_the_controller_is_turned_on_and_off_while_serving_with_the_admin_key():
             wait_for(lambda: roles_of(d)["e0"] == "D", "e0 moved to decode", timeout=10)
         off = d.client.post("/roles/controller", json={"enabled": False}, headers=ADMIN)
         assert off.json()["enabled"] is False
+
+
+def test_a_switch_that_fails_on_an_error_of_ours_leaves_the_instance_routable():
+    with deployment(["P~", "P", "D"]) as d:
+        table = d.proxy.proxy.table
+
+        def broken(inst, stages):
+            raise RuntimeError("a bug in the flip")
+
+        table.set_stages = broken
+        answer = switch(d, "p0", "D")
+        assert answer.status_code == 200 and answer.json()["outcome"] == "failed"
+        assert roles_of(d)["p0"] == "P"
+        assert d.client.get("/roles").json()["instances"]["p0"]["switching_to"] is None
+        d.apps["p1"].state.fail_status = 500  # only p0 can prefill now
+        r = d.client.post("/v1/chat/completions", json=body("hi"))
+        assert r.status_code == 200 and "P=p0" in served_by(r)
+        assert ('epd_proxy_role_switches_total{instance="p0",outcome="failed",source="P",'
+                'target="D"} 1.0') in d.client.get("/metrics").text
