@@ -82,6 +82,11 @@ class RoutingSettings(BaseModel):
                                "images are sent in batches of at most this.")
     fan_out: bool = Field(True, description="Spread a request's images over the encoders, "
                           "encoded at once; false: all go to the encoder picked for the first.")
+    video_chunk_frames: int = Field(
+        4, ge=2, multiple_of=2,
+        description="Frames per chunk of a video: each chunk is encoded (on any encoder, "
+        "at once) and stored as one feature, and prefill joins them. Even: Qwen-VL "
+        "encoders take frames in pairs.")
     # A deployment that loses a whole stage keeps answering every request type by
     # default: slower (the stand-in does two stages' work), counted, and shown in
     # x-epd-stages as FALLBACK=..., rather than refused for the minute a restart takes.

@@ -31,6 +31,7 @@ from epd_serve.proxy.state import InstanceTable
 from epd_serve.proxy.tenancy import INTERNAL_TOKEN_ENV, Tenant, Tenants
 from epd_serve.proxy.timeline import TraceStore
 from epd_serve.proxy.upstream import Upstream
+from epd_serve.proxy.video import VideoPreparer
 
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,96}$")
 
@@ -51,6 +52,7 @@ class Proxy:
         self.admin_key = os.environ.get(config.admin_key_env) if config.admin_key_env else None
         self.internal_token = os.environ.get(INTERNAL_TOKEN_ENV) or None
         self.fetcher = RemoteFetcher(config.limits) if config.limits.allow_remote_urls else None
+        self.videos = VideoPreparer(config.limits, config.routing.video_chunk_frames)
         self.admission = Admission(config.limits, self.metrics, requests_for_descriptors(
             config.limits, resource.getrlimit(resource.RLIMIT_NOFILE)[0]))
         self.client_kv_keys = HANDOFFS[config.kv_protocol].allowed_client_keys(

@@ -1,4 +1,4 @@
-"""The images of a request as the MM Store sees them (runs in the proxy process).
+"""The media of a request as the MM Store sees them (runs in the proxy process).
 
 Each image has the proxy's content key (request.py, tenancy.py), which E, P, D and the
 store agree on: it is the image's `uuid`, which vLLM then uses as the feature's hash. After the encoder (or
@@ -8,8 +8,11 @@ metadata the encoder published (the image grid) plus the `uuid`, so they neither
 decode nor preprocess the image. An engine that takes no such reference (vLLM 0.23;
 `feature_refs: pixels`) is sent the pixels with the `uuid` instead: it preprocesses the
 image but takes the feature from the store under that key rather than encoding it. A
-prefill instance is told the keys ahead of the request (prefetch hints) so it can pull
-the features while the request is on its way.
+video is encoded in chunks of frames, each stored under its own key
+(protocols/feature_chunks.py); prefill and decode are sent its frames, with its chunks'
+keys (joined) in `vllm_xargs` for their connector. A prefill instance is told the keys
+ahead of the request (prefetch hints) so it can pull the features while the request is
+on its way.
 """
 
 from __future__ import annotations
@@ -24,9 +27,11 @@ import zmq
 
 from epd_serve.mmstore import FeatureStore, StoreError, StoreSpec, open_store
 from epd_serve.protocols.encoder import EncoderParams
+from epd_serve.protocols.feature_chunks import VIDEO_KEYS_ARG, joined_key
 from epd_serve.protocols.params import ParamsError, from_dict
 from epd_serve.proxy.errors import malformed_params
 from epd_serve.proxy.request import ParsedRequest, with_parts
+from epd_serve.proxy.video import frame_list_url
 
 log = logging.getLogger("epd_serve.proxy.features")
 
@@ -51,35 +56,61 @@ def read_encoder_params(ec_transfer_params: object) -> EncoderParams | None:
         raise malformed_params(err, "the encoder") from None
 
 
-class Images:
-    """One request's images: keys, the bodies each stage gets, what the encoders said."""
+class EncodeItems:
+    """What the encoders compute for one request: each image, and each chunk of frames of
+    each video (proxy/video.py), with its key; the bodies each stage gets; what the
+    encoders said."""
 
     def __init__(self, parsed: ParsedRequest):
-        items = parsed.images
-        self._positions = [(item.message, item.part) for item in items]
-        self.keys: list[str] = [item.key for item in items]
-        # The request with its pixels, each image tagged with its key (request.py): what
-        # the encoders take, and what prefill and decode get when they are sent no
-        # reference (they then load the stored feature under the key, or encode the
-        # image themselves).
+        images = parsed.images
+        self._positions = [(item.message, item.part) for item in images]
+        self.image_keys = [item.key for item in images]
+        # The request with its pixels, each medium tagged with its key (request.py): what
+        # prefill and decode get when they are sent no reference (they then load the
+        # stored feature under the key, or encode the medium themselves).
         self.pixel_body = parsed.sent
         self.parts = [parsed.sent["messages"][m]["content"][p] for m, p in self._positions]
+        self.sizes = [float(item.pixels or 1) for item in images]
+        self.keys: list[str] = list(self.image_keys)  # one per item the encoders compute
+        self._video_chunks: list[list[str]] = []  # per video, its chunks' keys
+        for video in parsed.videos:
+            self._video_chunks.append(video.chunk_keys)
+            for key, (start, end) in zip(video.chunk_keys, video.chunks):
+                self.keys.append(key)
+                self.parts.append({"type": "video_url", "uuid": key, "video_url": {
+                    "url": frame_list_url(video.frames[start:end])}})
+                self.sizes.append(video.pixels * (end - start) / len(video.frames))
+        self.has_video = bool(parsed.videos)
         # key -> placeholder metadata (e.g. image_grid_thw), as the encoder published it
         self.placeholders: dict[str, dict] = {}
+        # key -> the feature hash an encoder stored it under, where that is not the key
+        # (vLLM hashes processor and media kwargs into it)
+        self.stored_as: dict[str, str] = {}
         self.ec_params: dict = {}  # every encoder's ec_transfer_params, merged
 
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def is_chunk(self, index: int) -> bool:
+        """Whether item `index` is a chunk of a video (images come first)."""
+        return index >= len(self.image_keys)
+
     def encoder_body(self, indices: list[int]) -> dict:
-        """The request an encoder runs for some of the images: just those images."""
+        """The request an encoder runs for some of the items: just those, with the key
+        to store each video chunk under (its connector's own hash of it may differ)."""
         body = {k: self.pixel_body[k] for k in ENCODER_FIELDS if k in self.pixel_body}
         body["messages"] = [{"role": "user", "content": [self.parts[i] for i in indices]}]
+        chunks = [self.keys[i] for i in indices if self.is_chunk(i)]
+        if chunks:
+            body["vllm_xargs"] = {VIDEO_KEYS_ARG: chunks}
         return body
 
     def learn(self, ec_transfer_params: dict | None, indices: list[int]) -> None:
-        """Take what the encoder published for the images `indices` it was sent. Its
+        """Take what the encoder published for the items `indices` it was sent. Its
         entries are keyed by vLLM's feature hash, which is our key unless the request
         carries processor kwargs (vLLM then hashes them in); `item_indices` then say
-        which of the images sent it is. An encoder that published nothing (no EC
-        connector) leaves the images without placeholders; one whose entries do not
+        which of the items sent it is. An encoder that published nothing (no EC
+        connector) leaves the items without placeholders; one whose entries do not
         match protocols/encoder.py fails the request (HandoffError, naming the field)."""
         published = read_encoder_params(ec_transfer_params)
         if published is None:
@@ -95,17 +126,41 @@ class Images:
             for index in item.item_indices:
                 if 0 <= index < len(sent):
                     self.placeholders[sent[index]] = item.metadata
+                    self.stored_as[sent[index]] = identifier
+
+    def video_keys(self) -> list[str]:
+        """Per video (prompt order), its chunks' keys joined: what prefill's connector
+        reads and joins for the video (protocols/feature_chunks.py). The encoders store
+        each chunk under its key, which the request names (`encoder_body`)."""
+        return [joined_key(chunks) for chunks in self._video_chunks]
+
+    @property
+    def prefill_keys(self) -> list[str]:
+        """The features prefill reads: each image's, each video's chunks joined."""
+        return [self.stored_as.get(k, k) for k in self.image_keys] + self.video_keys()
+
+    def keyed_body(self) -> dict:
+        """The request with its pixels, and with each video's chunk keys for prefill's
+        connector (the engine's own hash of the video is no key the store holds)."""
+        if not self.has_video:
+            return self.pixel_body
+        xargs = {**(self.pixel_body.get("vllm_xargs") or {}),
+                 VIDEO_KEYS_ARG: self.video_keys()}
+        return {**self.pixel_body, "vllm_xargs": xargs}
 
     @property
     def complete(self) -> bool:
-        return bool(self.keys) and all(self.placeholders.get(k) for k in self.keys)
+        """Every image can be sent as a reference: a video never is (prefill joins its
+        chunks' features under the video's key, and sizes the video from its frames)."""
+        return (bool(self.image_keys) and not self.has_video
+                and all(self.placeholders.get(k) for k in self.image_keys))
 
     def reference_body(self) -> dict:
         """The request with every image replaced by a reference to its stored feature."""
         return with_parts(self.pixel_body, {
             position: {"type": "image_embeds", "image_embeds": self.placeholders[key],
                        "uuid": key}
-            for position, key in zip(self._positions, self.keys)})
+            for position, key in zip(self._positions, self.image_keys)})
 
 
 class FeatureDirectory:

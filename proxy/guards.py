@@ -86,6 +86,39 @@ class Limits(BaseModel):
         64 * MiB, gt=0,
         description="Largest downloaded video or audio file, in bytes (inline ones are "
                     "bounded by max_body_bytes).")
+    # Videos (proxy/video.py). The proxy decodes each video itself and sends every
+    # stage the same sampled frames, so these bound the proxy's own work too.
+    max_videos: int = Field(
+        4, gt=0,
+        description="Most videos (video_url parts) in one request.")
+    max_video_frames: int = Field(
+        64, gt=0,
+        description="Most frames of one video the model is given (Video-MME's 64); a "
+                    "longer video is sampled uniformly down to this many.")
+    max_video_source_frames: int = Field(
+        3600, gt=0,
+        description="Most frames a video may hold (2 minutes at 30 fps); counted from "
+                    "the container's packets before any frame is decoded (413 past it).")
+    max_video_seconds: float = Field(
+        600.0, gt=0,
+        description="Longest video accepted, as its container declares (413 past it).")
+    max_video_frame_pixels: int = Field(
+        3840 * 2160, gt=0,
+        description="Most pixels of one video frame (4K UHD), read from the stream's "
+                    "header and checked on every decoded frame (413 past it).")
+    # Qwen2-VL's video processor shrinks frames to at most 768 * 28 * 28 pixels; larger
+    # frames are shrunk here first, so no stage receives pixels the model drops.
+    video_frame_pixels: int = Field(
+        768 * 28 * 28, gt=0,
+        description="Frames larger than this many pixels are scaled down (aspect kept) "
+                    "before they are sent to the stages.")
+    video_decode_timeout_s: float = Field(
+        30.0, gt=0,
+        description="Time the proxy may spend decoding one video (400 past it).")
+    max_video_decodes: int = Field(
+        2, gt=0,
+        description="Videos decoded at once in the whole proxy (each on a worker thread, "
+                    "off the event loop); more wait their turn.")
     allow_remote_urls: bool = Field(
         False,
         description="Accept http(s) media URLs; the proxy then downloads them itself, "

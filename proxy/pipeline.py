@@ -1,11 +1,12 @@
 """One request's trip through the stages, read straight down: plan the stages, encode
-the images (or take them from the MM Store), then prefill and decode.
+the images and videos (or take them from the MM Store), then prefill and decode.
 
 Runs inside the proxy process (asyncio). routing.plan_stages decides the hops; the
-images go to the encoders at once (encoding.py), which put their features in the MM
-Store; prefill is hinted to prefetch them, and prefill and decode get references
-instead of pixels (features.py), or, where their engine takes no reference
-(`feature_refs: pixels`), the pixels tagged with the features' keys. A merged
+images and the videos' chunks of frames go to the encoders at once (encoding.py),
+which put their features in the MM Store; prefill is hinted to prefetch them, and
+prefill and decode get references instead of pixels (features.py), or, where their
+engine takes no reference (`feature_refs: pixels`) and for videos, the pixels tagged
+with the features' keys. A merged
 prefill+decode instance answers directly; otherwise the deployment's KV hand-off
 (handoff/) runs prefill and decode. If prefill fails on a reference (its feature went
 missing), the request runs once more with the pixels: prefill recomputes (with the
@@ -28,8 +29,9 @@ from epd_serve.mmstore import StoreSpec
 from epd_serve.proxy.config import ProxyConfig
 from epd_serve.proxy.encoding import Encoder, NoEncoder
 from epd_serve.proxy.errors import HandoffError, ProxyError
-from epd_serve.proxy.features import FeatureDirectory, Images
+from epd_serve.proxy.features import EncodeItems, FeatureDirectory
 from epd_serve.proxy.handoff import make_handoff
+from epd_serve.proxy.request import ParsedRequest
 from epd_serve.proxy.routing import (
     Router,
     RouteRequest,
@@ -39,7 +41,6 @@ from epd_serve.proxy.routing import (
     plan_stages,
     with_stand_in,
 )
-from epd_serve.proxy.request import ParsedRequest
 from epd_serve.proxy.state import InstanceTable
 from epd_serve.proxy.trip import StageRecord, Trip
 from epd_serve.proxy.upstream import Upstream
@@ -115,24 +116,23 @@ class Pipeline:
     async def run(self, req: Request) -> tuple[Trip, dict | AsyncIterator[bytes]]:
         """Serve the request: the JSON answer, or the stream to relay."""
         parsed = req.parsed
-        image_items = parsed.images
-        n_images, other_media = len(image_items), parsed.other_media
+        encodable = parsed.images + parsed.videos
         tokens = (parsed.text_chars / CHARS_PER_TOKEN
-                  + sum(i.pixels for i in image_items) / PIXELS_PER_TOKEN)
+                  + sum(i.pixels for i in encodable) / PIXELS_PER_TOKEN)
         trip = Trip(req.request_id, multimodal=bool(parsed.media),
                     route=RouteRequest(cost=max(1.0, tokens)), trace_id=req.trace_id)
-        images = Images(parsed) if n_images else None
-        stored = await self._stored(images)
-        plan = plan_stages(n_images, stored, other_media, self.table.roster, self._down(),
-                           self.stand_in)
+        work = EncodeItems(parsed) if encodable else None
+        stored = await self._stored(work)
+        plan = plan_stages(len(stored), stored, parsed.other_media, self.table.roster,
+                           self._down(), self.stand_in)
         self._stood_in(trip, plan.stand_ins)
-        prepared = await self._encode(req, plan, images, trip)
+        prepared = await self._encode(req, plan, work, trip)
         # Requests whose images prefill encodes for want of an encoder: the work of an
         # empty E stage, which the role controller weighs (role_control.py).
         encoded_by_prefill = any(missing == "E" for missing, _ in trip.stand_ins)
         self.table.stood_in["E"] += encoded_by_prefill
         try:
-            return trip, await self._prefill_decode(req, plan, prepared, trip, images)
+            return trip, await self._prefill_decode(req, plan, prepared, trip, work)
         except ProxyError as err:
             # One end of the hand-off stopped answering under this request (it died; the
             # refused connection took it out of the table): the other end stands in, as
@@ -142,7 +142,7 @@ class Pipeline:
             if again == plan:
                 raise
             self._stood_in(trip, again.stand_ins)
-            return trip, await self._prefill_decode(req, again, prepared, trip, images)
+            return trip, await self._prefill_decode(req, again, prepared, trip, work)
         finally:
             self.table.stood_in["E"] -= encoded_by_prefill
 
@@ -156,25 +156,25 @@ class Pipeline:
                 trip.stand_ins.append((missing, standin))
                 self.metrics.fallbacks.labels(missing, standin).inc()
 
-    async def _stored(self, images: Images | None) -> list[bool]:
-        if images is None:
+    async def _stored(self, work: EncodeItems | None) -> list[bool]:
+        if work is None:
             return []
         if self.features is None:
-            return [False] * len(images.keys)
-        found = await self.features.stored(images.keys)
-        images.placeholders.update(found)
-        # Sent with its pixels, an image needs only its feature in the store; sent as a
-        # reference, also the placeholder metadata (the grid) the encoder published.
-        if self.send_pixels:
-            return [k in found for k in images.keys]
-        return [bool(found.get(k)) for k in images.keys]
+            return [False] * len(work)
+        found = await self.features.stored(work.keys)
+        work.placeholders.update(found)
+        # Sent with its pixels, an image needs only its feature in the store (a video
+        # always is); sent as a reference, also the placeholder metadata (the grid) the
+        # encoder published.
+        return [k in found if self.send_pixels or work.is_chunk(i) else bool(found.get(k))
+                for i, k in enumerate(work.keys)]
 
-    async def _encode(self, req: Request, plan: StagePlan, images: Images | None,
+    async def _encode(self, req: Request, plan: StagePlan, work: EncodeItems | None,
                       trip: Trip) -> Prepared:
         """Get the features of the request's media; the body prefill and decode get."""
         if not trip.multimodal or not (plan.encode or plan.stored):
             return Prepared(req.body)  # text, or a deployment whose prefill encodes
-        pixel_body = images.pixel_body if images else req.body
+        pixel_body = work.pixel_body if work else req.body
         try:
             if plan.pixels_to_prefill:  # video or audio: encoders take the request whole
                 params = await self.encoder.encode_whole(req.path, pixel_body, trip)
@@ -182,11 +182,9 @@ class Pipeline:
                 return Prepared({**pixel_body, "ec_transfer_params": params} if params
                                 else pixel_body)
             if plan.encode:
-                sizes = [float(i.pixels or 1) for i in req.parsed.images]
-                await self.encoder.encode_images(req.path, images, list(plan.encode), sizes,
-                                                 trip)
+                await self.encoder.encode(req.path, work, list(plan.encode), trip)
             else:
-                trip.stages.append(StageRecord("E", "store", 0.0))  # every image seen before
+                trip.stages.append(StageRecord("E", "store", 0.0))  # every item seen before
         except NoEncoder:
             if self.config.routing.encode_fallback != "prefill":
                 raise
@@ -196,28 +194,28 @@ class Pipeline:
             return Prepared(pixel_body)  # prefill (or its stand-in) encodes the images
         if self.features is None:  # vLLM's file connector: the hashes travel in the body
             trip.images = "pixels"
-            return Prepared({**pixel_body, "ec_transfer_params": images.ec_params})
+            return Prepared({**pixel_body, "ec_transfer_params": work.ec_params})
         if req.fault == "drop-features" and self.config.fault_injection:
-            await self.features.drop(images.keys)
-        if self.send_pixels:
-            # Each image carries its key as uuid: the engine loads the stored feature
-            # and encodes only an image whose feature it cannot get, so there is
-            # nothing to send again.
+            await self.features.drop(work.keys)
+        if self.send_pixels or work.has_video:
+            # Each medium carries its key as uuid: the engine loads the stored feature
+            # (a video's chunks, joined) and encodes only a medium whose feature it
+            # cannot get, so there is nothing to send again.
             trip.images = "keyed"
-            return Prepared(pixel_body)
-        if not images.complete:  # the encoder published no metadata: send the pixels
+            return Prepared(work.keyed_body())
+        if not work.complete:  # the encoder published no metadata: send the pixels
             trip.images = "pixels"
             return Prepared(pixel_body)
         trip.images = "ref"
-        return Prepared(images.reference_body(), pixel_body)
+        return Prepared(work.reference_body(), pixel_body)
 
     async def _prefill_decode(self, req: Request, plan: StagePlan, prepared: Prepared,
-                              trip: Trip, images: Images | None):
+                              trip: Trip, work: EncodeItems | None):
         return await self._with_recompute(prepared, trip,
-                                          self._final_hop(req, plan, trip, images))
+                                          self._final_hop(req, plan, trip, work))
 
     def _final_hop(self, req: Request, plan: StagePlan, trip: Trip,
-                   images: Images | None) -> Callable[[dict], Awaitable]:
+                   work: EncodeItems | None) -> Callable[[dict], Awaitable]:
         """Prefill and decode: through the KV hand-off, or on one instance that runs the
         request whole (a merged PD instance, or a P or D standing in for the other)."""
         hop = computing_hop(plan)
@@ -244,7 +242,7 @@ class Pipeline:
                 return await self.handoff.complete(req.path, body, trip, candidates)
         if self.features is not None and trip.images in ("ref", "keyed"):
             # Tell the likely prefill instance which features to pull, ahead of the request.
-            self.features.hint(candidates[0].entry.prefetch_endpoint, images.keys)
+            self.features.hint(candidates[0].entry.prefetch_endpoint, work.prefill_keys)
         return run
 
     async def _with_recompute(self, prepared: Prepared, trip: Trip,

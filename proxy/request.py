@@ -24,6 +24,7 @@ from typing import Any, Union
 
 import msgspec
 
+from epd_serve.protocols.feature_chunks import VIDEO_KEYS_ARG, part_key
 from epd_serve.proxy.errors import ProxyError, bad_request
 from epd_serve.proxy.guards import (
     CHAT_PATH,
@@ -143,12 +144,21 @@ class MediaItem:
     part: int
     url: str | None = None  # data: or http(s) URL (None for embeddings)
     embeddings: Any = None  # the client's tensors (opt-in)
-    pixels: int = 0  # width x height of an inline image
+    pixels: int = 0  # width x height of an inline image; a video's, per temporal patch
     key: str = ""  # the proxy's content key, set by ParsedRequest.seal
+    # A video, once decoded (proxy/video.py): its frames as sent (base64 JPEG) and the
+    # [start, end) frame ranges encoded as separate features (one: the whole video).
+    frames: list[str] | None = None
+    chunks: tuple[tuple[int, int], ...] = ()
 
     @property
     def modality(self) -> str:
         return self.kind.modality
+
+    @property
+    def chunk_keys(self) -> list[str]:
+        """The uuids of this video's chunks, as the encoders are sent them."""
+        return [part_key(self.key, index) for index in range(len(self.chunks))]
 
     @property
     def remote(self) -> bool:
@@ -191,10 +201,14 @@ class ParsedRequest:
         return [m for m in self.media if m.modality == "image" and not m.kind.embeddings]
 
     @property
+    def videos(self) -> list[MediaItem]:
+        """The videos the encoders compute (in chunks of frames), in prompt order."""
+        return [m for m in self.media if m.modality == "video" and not m.kind.embeddings]
+
+    @property
     def other_media(self) -> bool:
-        """Video or audio: the encoders take such a request whole."""
-        return any(m.modality in ("video", "audio") and not m.kind.embeddings
-                   for m in self.media)
+        """Audio: the encoders take such a request whole."""
+        return any(m.modality == "audio" and not m.kind.embeddings for m in self.media)
 
     def downloads(self) -> list[MediaItem]:
         return [m for m in self.media if m.remote]
@@ -295,7 +309,7 @@ def _check_proxy_fields(shape: _Common, client_kv_keys: frozenset[str]) -> None:
             allowed = ", ".join(sorted(client_kv_keys)) or "none"
             raise bad_request(f"kv_transfer_params.{key} is set by the proxy between its "
                               f"stages; a client may set only: {allowed}", "proxy_field")
-    for key in ("kv_transfer_params", "ec_transfer_params"):
+    for key in ("kv_transfer_params", "ec_transfer_params", VIDEO_KEYS_ARG):
         if key in (shape.vllm_xargs or ()):
             raise bad_request(f"vllm_xargs.{key} is set by the proxy between its stages; a "
                               "client may not send it", "proxy_field")
@@ -377,6 +391,10 @@ def _check_counts(media: list[MediaItem], limits: Limits) -> None:
     if images > limits.max_images:
         raise bad_request(f"the request has {images} images; this deployment accepts at "
                           f"most {limits.max_images} per request", "too_many_images")
+    videos = sum(1 for item in media if item.modality == "video")
+    if videos > limits.max_videos:
+        raise bad_request(f"the request has {videos} videos; this deployment accepts at "
+                          f"most {limits.max_videos} per request", "too_many_videos")
     if len(media) > limits.max_media_parts:
         raise bad_request(f"the request has {len(media)} media parts; this deployment "
                           f"accepts at most {limits.max_media_parts} per request",

@@ -105,8 +105,8 @@ async def serve(request: web.Request, ticket) -> web.StreamResponse:
 
 async def _parse(request: web.Request, proxy: Proxy, tenant: Tenant,
                  ticket) -> ParsedRequest:
-    """The request's body read within its admission, parsed, its remote media fetched
-    and every media item keyed in `tenant`'s namespace."""
+    """The request's body read within its admission, parsed, its remote media fetched,
+    its videos decoded and every media item keyed in `tenant`'s namespace."""
     limits = proxy.config.limits
     raw = await proxy.admission.read_body(request, ticket, limits.max_body_bytes)
     parsed = parse_request(raw, request.path, limits, proxy.client_kv_keys)
@@ -117,6 +117,8 @@ async def _parse(request: web.Request, proxy: Proxy, tenant: Tenant,
             raise bad_request("remote media URLs are off in this deployment",
                               "remote_url_disabled")
         await proxy.fetcher.inline(downloads, ticket)
+    if parsed.videos:  # decoded once, here: every stage is sent the same frames
+        await proxy.videos.prepare(parsed.videos)
     parsed.seal(proxy.key_of(tenant, parsed), tenant.cache_salt(parsed.client_salt))
     return parsed
 

@@ -51,12 +51,14 @@ class StagePlan:
 
 def plan_stages(images: int, stored: Sequence[bool], other_media: bool, roster: Roster,
                 down: frozenset[str] = frozenset(), stand_in: bool = False) -> StagePlan:
-    """The stages of a request with `images` image items (`stored[i]`: the MM Store
-    holds image i) and `other_media` (video/audio, which encoders take whole), given
-    the hops of the roster that have no healthy instance now (`down`).
+    """The stages of a request with `images` items the encoders compute (images and
+    chunks of videos; `stored[i]`: the MM Store holds item i) and `other_media` (audio,
+    which encoders take whole), given the hops of the roster that have no healthy
+    instance now (`down`).
 
-    Text goes P -> D. Images go E -> P -> D when the deployment has encoders, skipping
-    E for the images the store holds; without encoders (EP-D, TP1) prefill encodes.
+    Text goes P -> D. Images and videos go E -> P -> D when the deployment has
+    encoders, skipping E for the items the store holds; without encoders (EP-D, TP1)
+    prefill encodes.
     With `stand_in`, a hand-off missing one end runs whole on the other (`with_stand_in`).
     """
     final = "P+D" if roster.split else "PD"

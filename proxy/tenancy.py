@@ -25,6 +25,7 @@ import os
 import blake3
 from aiohttp import web
 
+from epd_serve.protocols.feature_chunks import part_key
 from epd_serve.proxy.errors import ProxyError
 from epd_serve.proxy.request import media_bytes
 
@@ -35,7 +36,7 @@ _MEDIA_KEY_DOMAIN = b"epd-serve media key v1\0"
 _SALT_DOMAIN = b"epd-serve tenant salt v1\0"
 
 __all__ = ["ANONYMOUS", "INTERNAL_TOKEN_ENV", "INTERNAL_TOKEN_HEADER", "Tenant", "Tenants",
-           "bearer_token", "image_key", "is_internal", "keys_in", "own_key"]
+           "bearer_token", "image_key", "is_internal", "keys_in", "own_key", "video_chunk_keys"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +74,15 @@ def image_key(model: str, url: str, tenant: Tenant = ANONYMOUS) -> str:
     """The content key the proxy gives an image sent as `url` (a data: URL) with no
     processor kwargs: what E, P, D and the MM Store know the image's feature by."""
     return tenant.media_key(model, "image", b"", media_bytes(url))
+
+
+def video_chunk_keys(model: str, sent_url: str, chunk_frames: int = 4,
+                     tenant: Tenant = ANONYMOUS) -> list[str]:
+    """The keys of a video's chunks as the proxy sends them (`sent_url`: the frame list
+    proxy/video.py made of it, chunks of `chunk_frames`, no processor kwargs)."""
+    key = tenant.media_key(model, "video", b"", media_bytes(sent_url))
+    frames = sent_url.count(",")  # "data:...;base64," then one comma between frames
+    return [part_key(key, i) for i in range(-(-frames // chunk_frames))]
 
 
 class Tenants:

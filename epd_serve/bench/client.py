@@ -72,11 +72,13 @@ async def _one(session: aiohttp.ClientSession, url: str, body: bytes, rec: Reque
 
 
 async def run_schedule(url: str, bodies: Sequence[bytes], offsets: Sequence[float],
-                       multimodal: Sequence[bool], max_concurrency: int | None = None,
+                       modalities: Sequence[str | bool], max_concurrency: int | None = None,
                        timeout_s: float = 600.0,
                        on_done: Callable[[RequestRecord], None] | None = None) -> list[RequestRecord]:
-    """Send bodies[i] at offsets[i] seconds after the start; return one record each."""
-    records = [RequestRecord(i, bool(multimodal[i]), float(offsets[i])) for i in range(len(bodies))]
+    """Send bodies[i] at offsets[i] seconds after the start; return one record each.
+    modalities[i]: the request's modality ("text", "image", "video", ...), or whether
+    it is multimodal (True counts as an image request)."""
+    records = [_record(i, modalities[i], float(offsets[i])) for i in range(len(bodies))]
     limit = max_concurrency or 0
     connector = aiohttp.TCPConnector(limit=limit, limit_per_host=limit, force_close=False)
     gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
@@ -106,6 +108,12 @@ async def run_schedule(url: str, bodies: Sequence[bytes], offsets: Sequence[floa
             tasks.append(asyncio.create_task(send(rec, body)))
         await asyncio.gather(*tasks)
     return records
+
+
+def _record(index: int, modality: str | bool, scheduled: float) -> RequestRecord:
+    if isinstance(modality, str):
+        return RequestRecord(index, modality != "text", scheduled, modality=modality)
+    return RequestRecord(index, bool(modality), scheduled)
 
 
 def run(coro):

@@ -1,7 +1,9 @@
 """Writes a load report: JSON, CSV, PNG plots like the papers' figures, one HTML page.
-Runs against the epd-serve proxy also get a per-stage breakdown (E, P, D, KV hand-off)
-from its x-epd-stages header: a table per run and stages.png; and, from the requests'
-timelines, where the median request's time goes (parts.png, one waterfall per run).
+Every run's row is followed by one row per modality it held (text, image, video), and
+goodput is given per modality too. Runs against the epd-serve proxy also get a
+per-stage breakdown (E, P, D, KV hand-off) from its x-epd-stages header: a table per
+run and stages.png; and, from the requests' timelines, where the median request's time
+goes (parts.png, one waterfall per run).
 
 Runs in the bench process; matplotlib with the Agg backend (no display needed).
 """
@@ -23,6 +25,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from epd_serve.bench import waterfall  # noqa: E402
 from epd_serve.bench.stages import KV_TIMINGS, STAGES  # noqa: E402
+from epd_serve.bench.timings import GOODPUT_ATTAINMENT  # noqa: E402
 
 SUMMARY_COLUMNS = [
     ("label", "deployment"), ("rate", "rate (req/s)"), ("success_requests", "ok"),
@@ -58,6 +61,30 @@ def _fmt(value) -> str:
     return str(value)
 
 
+def summary_rows(results) -> list[dict]:
+    """Each run's summary, then one per modality it held, labelled `label [video]`
+    (keyed as the run's own, so the same columns read it)."""
+    rows = []
+    for r in results:
+        rows.append(r.summary)
+        for modality, m in (r.summary.get("by_modality") or {}).items():
+            rows.append({**m, "label": f"{r.label or 'run'} [{modality}]", "rate": r.rate})
+    return rows
+
+
+def modality_goodputs(results, goodputs: dict) -> dict[str, dict[str, float | None]]:
+    """Per deployment with a goodput, per modality: the highest rate run at which that
+    modality's requests met the SLO at least 90% of the time (None: none did)."""
+    out: dict[str, dict[str, float | None]] = {}
+    for label in goodputs:
+        runs = [r for r in results if r.label == label and r.rate is not None]
+        modalities = dict.fromkeys(m for r in runs for m in r.summary.get("by_modality") or {})
+        out[label] = {m: max((r.rate for r in runs if (r.summary["by_modality"].get(m) or {})
+                              .get("slo_attainment", 0.0) >= GOODPUT_ATTAINMENT), default=None)
+                      for m in modalities}
+    return out
+
+
 def _series(results) -> dict[str, list]:
     by_label: dict[str, list] = defaultdict(list)
     for r in results:
@@ -80,7 +107,14 @@ def plot_vs_rate(results, path: Path) -> None:
         for label, runs in _series(results).items():
             xs = [r.summary["per_device"]["request_rate"] for r in runs]
             ys = [(_get(r.summary, key) or 0.0) * scale for r in runs]
-            ax.plot(xs, ys, marker="o", label=label)
+            line, = ax.plot(xs, ys, marker="o", label=label)
+            if key.startswith("per_device"):
+                continue  # throughput per modality does not compare across kinds
+            for style, modality in zip(("--", ":", "-."), _mixed_modalities(runs)):
+                ys = [(_get(r.summary["by_modality"].get(modality) or {}, key) or 0.0) * scale
+                      for r in runs]
+                ax.plot(xs, ys, linestyle=style, marker=".", color=line.get_color(),
+                        label=f"{label} [{modality}]")
         ax.set_title(title)
         ax.set_xlabel("request rate per device (req/s)")
         ax.set_ylabel(unit)
@@ -91,6 +125,13 @@ def plot_vs_rate(results, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _mixed_modalities(runs) -> list[str]:
+    """The modalities of runs that held more than one (a single kind's line would only
+    repeat the run's)."""
+    found = dict.fromkeys(m for r in runs for m in r.summary.get("by_modality") or {})
+    return list(found) if len(found) > 1 else []
 
 
 def plot_scatter(results, path: Path, slo) -> None:
@@ -167,6 +208,7 @@ def write_report(results, out_dir: Path, spec, goodputs: dict | None = None) -> 
     (out_dir / "results.json").write_text(json.dumps({
         "spec": spec_dict,
         "goodput": goodputs,
+        "goodput_by_modality": modality_goodputs(results, goodputs),
         "runs": [{"label": r.label, "rate": r.rate, "summary": r.summary,
                   "requests": [rec.to_row() for rec in r.records]} for r in results],
     }, indent=2))
@@ -175,8 +217,8 @@ def write_report(results, out_dir: Path, spec, goodputs: dict | None = None) -> 
         writer = csv.writer(f)
         columns = SUMMARY_COLUMNS + STAGE_COLUMNS
         writer.writerow([title for _, title in columns])
-        for r in results:
-            writer.writerow([_get(r.summary, key) for key, _ in columns])
+        for row in summary_rows(results):
+            writer.writerow([_get(row, key) for key, _ in columns])
     with (out_dir / "requests.csv").open("w", newline="") as f:
         rows = [{"label": r.label, "rate": r.rate, **rec.to_row()}
                 for r in results for rec in r.records]
@@ -284,19 +326,28 @@ def stage_tables(results) -> str:
     return "".join(out)
 
 
+def _modality_goodput(per_modality: dict[str, float | None]) -> str:
+    """` (text 4.000, video 1.000 req/s)`: the rates each modality's requests held."""
+    if not per_modality:
+        return ""
+    return " (" + ", ".join(f"{html.escape(m)} {_fmt(v)}" for m, v in per_modality.items()) + " req/s)"
+
+
 def _html(results, out_dir: Path, spec: dict, goodputs: dict) -> str:
     head = "".join(f"<th>{html.escape(title)}</th>" for _, title in SUMMARY_COLUMNS)
     rows = "".join(
-        "<tr>" + "".join(f"<td>{html.escape(_fmt(_get(r.summary, k)))}</td>"
+        "<tr>" + "".join(f"<td>{html.escape(_fmt(_get(row, k)))}</td>"
                          for k, _ in SUMMARY_COLUMNS) + "</tr>"
-        for r in results)
+        for row in summary_rows(results))
     breakdown = stage_tables(results)
     if breakdown:
         breakdown = ("<h2>Per stage (from the proxy's x-epd-stages header)</h2>"
                      "<p>A retried stage's time includes its failed attempts; a stage still "
                      "streaming when headers were sent is counted but not timed.</p>"
                      f"{breakdown}{_img(out_dir / 'stages.png')}")
-    good = "".join(f"<li>{html.escape(k)}: {_fmt(v)} req/s</li>" for k, v in goodputs.items())
+    per_modality = modality_goodputs(results, goodputs)
+    good = "".join(f"<li>{html.escape(k)}: {_fmt(v)} req/s{_modality_goodput(per_modality[k])}</li>"
+                   for k, v in goodputs.items())
     failures = "".join(
         f"<li>{html.escape(r.label)} @ {r.rate}: {html.escape(json.dumps(r.summary['failure_reasons']))}</li>"
         for r in results if r.summary["failed_requests"])

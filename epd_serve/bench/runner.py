@@ -15,10 +15,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from epd_serve.bench import arrivals, client, workloads
 
 from epd_serve.bench import waterfall
-from epd_serve.bench.timings import SLO, RequestRecord, summarize
+from epd_serve.bench.timings import GOODPUT_ATTAINMENT, SLO, RequestRecord, summarize
 from epd_serve.bench.search import largest_passing
-
-GOODPUT_ATTAINMENT = 0.9  # goodput = highest rate with at least 90% SLO attainment
 
 
 @dataclasses.dataclass
@@ -66,7 +64,7 @@ class Bodies:
             task = progress.add_task("building requests", total=len(self.specs))
             self.bodies = list(workloads.build_bodies(
                 self.specs, spec.model, spec.ignore_eos, lambda: progress.advance(task)))
-        self.multimodal = [s.multimodal for s in self.specs]
+        self.modalities = [s.modality for s in self.specs]
 
 
 def run_once(spec: LoadSpec, rate: float | None, bodies: Bodies, label: str = "",
@@ -82,7 +80,7 @@ def run_once(spec: LoadSpec, rate: float | None, bodies: Bodies, label: str = ""
         task = progress.add_task(f"{what}rate {rate if rate is not None else spec.process}",
                                  total=n)
         records = client.run(client.run_schedule(
-            url, bodies.bodies[:n], offsets[:n], bodies.multimodal[:n],
+            url, bodies.bodies[:n], offsets[:n], bodies.modalities[:n],
             spec.max_concurrency, spec.timeout_s,
             on_done=lambda rec: progress.advance(task)))
     summary = summarize(records, spec.slo, spec.num_devices, rate)
@@ -91,6 +89,8 @@ def run_once(spec: LoadSpec, rate: float | None, bodies: Bodies, label: str = ""
     # Through our proxy: where the time of the run's requests went, from their timelines.
     summary["timelines"] = waterfall.collect(spec.url, [r for r in records if r.ok])
     console.print(_one_line(label, rate, summary))
+    for line in modality_lines(summary):
+        console.print(line)
     return RunResult(label, rate, summary, records)
 
 
@@ -102,6 +102,16 @@ def _one_line(label: str, rate: float | None, s: dict) -> str:
             f"SLO attainment {s['slo_attainment']:.0%}, "
             f"{s['output_token_throughput']:.1f} out tok/s{_tail(s)}"
             f"{_stage_line(s.get('stage_breakdown'))}")
+
+
+def modality_lines(s: dict) -> list[str]:
+    """One line per modality of the run: `  video: 9/10 ok, TTFT p50 812.0 ms, ...`."""
+    fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
+    return [f"  {modality}: {m['success_requests']}/{m['total_requests']} ok, "
+            f"TTFT p50 {fmt(m['ttft_ms']['median'])} ms, TPOT p50 {fmt(m['tpot_ms']['median'])} ms, "
+            f"ITL p50 {fmt(m['itl_ms']['median'])} ms, E2EL p50 {fmt(m['e2el_ms']['median'])} ms, "
+            f"SLO attainment {m['slo_attainment']:.0%}"
+            for modality, m in (s.get("by_modality") or {}).items()]
 
 
 def _tail(s: dict) -> str:

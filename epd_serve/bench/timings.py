@@ -4,7 +4,8 @@ Pure numpy. All times are seconds from monotonic clocks at the client; reports s
 milliseconds. The SLO rule is the papers': a request meets its SLO when its TTFT is
 under the TTFT SLO and at least 90% of its token gaps are under the TPOT (TBT) SLO.
 Where the server is the epd-serve proxy, each record also keeps the proxy's per-stage
-header, which stages.py parses and aggregates.
+header, which stages.py parses and aggregates. Every run is also summarised per
+modality (text, image, video): the latencies and the SLO attainment of each kind.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from epd_serve.bench import stages
 
 STAT_NAMES = ("avg", "min", "max", "median", "p75", "p90", "p99")
 GAP_QUANTILE = 0.9  # share of token gaps that must meet the TPOT SLO
+GOODPUT_ATTAINMENT = 0.9  # goodput = highest rate with at least 90% SLO attainment
+MODALITIES = ("text", "image", "video", "image+video")  # the order reports list them in
 
 
 @dataclasses.dataclass
@@ -36,6 +39,11 @@ class RequestRecord:
     error: str | None = None
     stages_header: str | None = None  # the proxy's x-epd-stages; None from a bare engine
     trace_id: str | None = None  # the proxy's x-epd-trace-id: the request's timeline
+    modality: str = ""  # workloads.RequestSpec.modality; "" takes it from `multimodal`
+
+    def __post_init__(self):
+        if not self.modality:  # callers that only know text from not-text
+            self.modality = "image" if self.multimodal else "text"
 
     @property
     def stage_breakdown(self) -> stages.StageBreakdown | None:
@@ -87,7 +95,8 @@ class RequestRecord:
         per_stage = {f"{stage}_ms": stage_ms.get(stage) for stage in stages.STAGES}
         per_stage.update({f"kv_{key}": breakdown.kv.get(key) for key in stages.KV_TIMINGS})
         return {
-            "index": self.index, "multimodal": self.multimodal, "ok": self.ok,
+            "index": self.index, "multimodal": self.multimodal, "modality": self.modality,
+            "ok": self.ok,
             "error": self.error, "scheduled_s": round(self.scheduled, 6),
             "send_lag_ms": ms(self.send_lag), "ttft_ms": ms(self.ttft),
             "tpot_ms": ms(self.tpot), "e2el_ms": ms(self.e2el),
@@ -145,10 +154,7 @@ def summarize(records: list[RequestRecord], slo: SLO, num_devices: int = 1,
         "output_token_throughput": out_tokens / duration,
         "total_token_throughput": (in_tokens + out_tokens) / duration,
         "prefill_token_throughput": (in_tokens / sum(r.ttft for r in ok)) if ok else 0.0,
-        "ttft_ms": stats([r.ttft for r in ok], 1e3),
-        "tpot_ms": stats([r.tpot for r in ok if r.tpot is not None], 1e3),
-        "itl_ms": stats([g for r in ok for g in r.itls], 1e3),
-        "e2el_ms": stats([r.e2el for r in ok], 1e3),
+        **latency_stats(ok),
         "slowest_over_median": slowest_over_median(ok),
         "input_tokens": stats([r.input_tokens for r in ok]),
         "output_tokens": stats([r.output_tokens for r in ok]),
@@ -161,6 +167,7 @@ def summarize(records: list[RequestRecord], slo: SLO, num_devices: int = 1,
         "send_lag_ms": stats([r.send_lag for r in records], 1e3),
         # Successful requests only, like the latencies above; None without the header.
         "stage_breakdown": stages.summarize([r.stage_breakdown for r in ok]),
+        "by_modality": by_modality(records, slo, duration),
     }
     summary["per_device"] = {
         "request_rate": None if target_rate is None else target_rate / num_devices,
@@ -169,6 +176,35 @@ def summarize(records: list[RequestRecord], slo: SLO, num_devices: int = 1,
         "effective_throughput": summary["effective_throughput"] / num_devices,
     }
     return summary
+
+
+def latency_stats(ok: list[RequestRecord]) -> dict[str, dict]:
+    """TTFT, TPOT, ITL and E2EL statistics (ms) of successful requests."""
+    return {"ttft_ms": stats([r.ttft for r in ok], 1e3),
+            "tpot_ms": stats([r.tpot for r in ok if r.tpot is not None], 1e3),
+            "itl_ms": stats([g for r in ok for g in r.itls], 1e3),
+            "e2el_ms": stats([r.e2el for r in ok], 1e3)}
+
+
+def by_modality(records: list[RequestRecord], slo: SLO, duration: float) -> dict[str, dict]:
+    """The run's summary per modality present, keyed as the run's own summary is
+    (throughputs over the whole run's duration, so the kinds' rates add up)."""
+    out = {}
+    present = {r.modality for r in records}
+    for modality in [m for m in MODALITIES if m in present] + sorted(present - set(MODALITIES)):
+        mine = [r for r in records if r.modality == modality]
+        ok = [r for r in mine if r.ok]
+        meeting = [r for r in ok if r.meets_slo(slo.ttft_ms / 1e3, slo.tpot_ms / 1e3)]
+        out[modality] = {
+            "total_requests": len(mine), "success_requests": len(ok),
+            "failed_requests": len(mine) - len(ok),
+            "slo_attainment": len(meeting) / len(mine),
+            "request_throughput": len(ok) / duration,
+            "output_token_throughput": sum(r.output_tokens for r in ok) / duration,
+            "effective_throughput": sum(r.output_tokens for r in meeting) / duration,
+            **latency_stats(ok),
+        }
+    return out
 
 
 def slowest_over_median(ok: list[RequestRecord]) -> dict[str, float | None]:

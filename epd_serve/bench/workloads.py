@@ -1,15 +1,17 @@
-"""What each request of a load run asks: text, images, output length.
+"""What each request of a load run asks: text, images, videos, output length.
 
-Synthetic mixes shaped like the papers' datasets, and file datasets (AISBench
-multimodal JSONL, ShareGPT JSON, a folder of images). Images are generated (numpy noise,
-deterministic per seed) or read from local files; nothing is downloaded. Bodies are
-built before the run starts so that sending costs no encoding time.
+Synthetic mixes shaped like the papers' datasets and like video question answering
+(NextQA, Video-MME), and file datasets (AISBench multimodal JSONL, ShareGPT JSON, a
+folder of images). Images and videos are generated (deterministic per seed) or read
+from local files; nothing is downloaded. Bodies are built before the run starts so that sending
+costs no encoding time.
 """
 
 from __future__ import annotations
 
 import base64
 import dataclasses
+import functools
 import json
 import mimetypes
 from collections.abc import Iterator
@@ -18,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from epd_serve.instances.payloads import chat_body, image_data_url, make_image
+from epd_serve.instances.videos import make_video, video_data_url, video_part
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
 
@@ -45,15 +48,43 @@ class ImageRef:
 
 
 @dataclasses.dataclass(frozen=True)
+class VideoRef:
+    """A generated video: `frames` frames of width x height (H.264 mp4), from its seed."""
+
+    frames: int
+    width: int = 224
+    height: int = 224
+    seed: int = 0
+
+    def data_url(self) -> str:
+        return _video_url(self)
+
+
+@functools.lru_cache(maxsize=512)
+def _video_url(ref: VideoRef) -> str:
+    # A 64-frame 224x224 video takes ~0.2 s to make: the bodies built again for the next
+    # deployment of a comparison reuse it. 512 of them hold ~70 MB.
+    return video_data_url(make_video(ref.frames, ref.width, ref.height, ref.seed))
+
+
+@dataclasses.dataclass(frozen=True)
 class RequestSpec:
     index: int
     text: str
     images: tuple[ImageRef, ...]
     max_tokens: int
+    videos: tuple[VideoRef, ...] = ()
 
     @property
     def multimodal(self) -> bool:
-        return bool(self.images)
+        return bool(self.images or self.videos)
+
+    @property
+    def modality(self) -> str:
+        """"text", "image", "video" or "image+video": what the report groups by."""
+        kinds = [kind for kind, items in (("image", self.images), ("video", self.videos))
+                 if items]
+        return "+".join(kinds) or "text"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +124,55 @@ class SyntheticWorkload:
         return out
 
 
-PRESETS: dict[str, SyntheticWorkload] = {
+# Video question answering: what is asked about a clip, and the options of a
+# multiple-choice question (about one token a word).
+_VIDEO_WORDS = ("what why how does the person man woman child dog do after before while "
+                "holding the ball cup door picks up walks toward turns around looks at "
+                "sits down on the chair table floor at the end beginning of video").split()
+_OPTION_WORDS = ("a red car the kitchen two people running outside nothing happens "
+                 "he laughs she waves a cat jumps rain falls they leave").split()
+
+
+@dataclasses.dataclass(frozen=True)
+class VideoQAWorkload:
+    """Video question answering, every request one generated video and a question.
+
+    frames: frames per video; resolution: (width, height) of every frame.
+    question_words: mean words of the question (Poisson, at least 3).
+    choices: options listed after the question (0: an open question), lettered A, B, ...
+    questions_per_video: requests that ask about the same video (1: every request its
+    own video, as the image workloads give every request its own image).
+    """
+
+    name: str
+    frames: int
+    question_words: float
+    output_tokens: int
+    choices: int = 0
+    resolution: tuple[int, int] = (224, 224)
+    questions_per_video: int = 1
+
+    def requests(self, n: int, seed: int = 0) -> list[RequestSpec]:
+        rng = np.random.default_rng(seed)
+        out = []
+        for i in range(n):
+            video = VideoRef(self.frames, *self.resolution,
+                             seed=seed * 1_000_003 + i // self.questions_per_video)
+            out.append(RequestSpec(i, self._question(rng), (), self.output_tokens, (video,)))
+        return out
+
+    def _question(self, rng: np.random.Generator) -> str:
+        words = max(3, int(rng.poisson(self.question_words)))
+        text = " ".join(rng.choice(_VIDEO_WORDS, size=words)) + " ?"
+        if not self.choices:
+            return text
+        options = [f"{chr(ord('A') + k)}. " + " ".join(rng.choice(_OPTION_WORDS, size=3))
+                   for k in range(self.choices)]
+        return ("Question: " + text + "\nOptions:\n" + "\n".join(options)
+                + "\nAnswer with the option's letter from the given choices directly.")
+
+
+PRESETS: dict[str, SyntheticWorkload | VideoQAWorkload] = {
     # ShareGPT-4o as the papers sample it: every request one image, mean 802x652, ~9.6
     # text tokens, 64 output tokens.
     "sharegpt4o": SyntheticWorkload("sharegpt4o", 9.6, 1.0, (802, 652), (160.0, 130.0)),
@@ -102,6 +181,14 @@ PRESETS: dict[str, SyntheticWorkload] = {
     "text": SyntheticWorkload("text", 32.0, 0.0, (0, 0)),
     # Small images for quick runs on CPU machines.
     "tiny-mm": SyntheticWorkload("tiny-mm", 8.0, 0.5, (224, 224), output_tokens=16),
+    # NextQA-like: 8 frames a clip, a short open question (~12 words), answers of ~8
+    # tokens ("the boy picks up the ball").
+    "video-nextqa": VideoQAWorkload("video-nextqa", frames=8, question_words=12.0,
+                                    output_tokens=8),
+    # Video-MME-like: 64 frames a video, a multiple-choice question with options A-D in
+    # the text, answers of a few tokens ("B." or "B. a cat").
+    "video-mme": VideoQAWorkload("video-mme", frames=64, question_words=14.0,
+                                 output_tokens=4, choices=4),
 }
 
 
@@ -140,7 +227,8 @@ def request_trace(path: str | Path, output_tokens: int | None) -> list[RequestSp
     """A request trace (what `epd-serve plan --trace` reads, and what the load tool
     replays with `--process trace --trace` on the same file): JSONL, one request per
     line, {"timestamp": s, "text": ... or "prompt_words": n, "images": [[w, h], ...],
-    "output_tokens": n}. Images are generated at the recorded sizes."""
+    "videos": [[frames, w, h], ...], "output_tokens": n}. Images and videos are generated
+    at the recorded sizes."""
     path = Path(path)
     out = []
     for lineno, row in _jsonl_rows(path):
@@ -149,10 +237,12 @@ def request_trace(path: str | Path, output_tokens: int | None) -> list[RequestSp
                 _WORDS[(lineno + k) % len(_WORDS)] for k in range(int(row.get("prompt_words", 8))))
             images = tuple(ImageRef(int(w), int(h), seed=lineno * 101 + j)
                            for j, (w, h) in enumerate(row.get("images") or []))
+            videos = tuple(VideoRef(int(f), int(w), int(h), seed=lineno * 101 + j)
+                           for j, (f, w, h) in enumerate(row.get("videos") or []))
             n_out = output_tokens or int(row.get("output_tokens", 64))
         except (ValueError, TypeError) as err:
             raise ValueError(f"{path}:{lineno}: not a trace row ({err})") from None
-        out.append(RequestSpec(len(out), text, images, n_out))
+        out.append(RequestSpec(len(out), text, images, n_out, videos))
     return out
 
 
@@ -166,7 +256,8 @@ def is_request_trace(path: Path) -> bool:
     except ValueError:
         return False
     return (isinstance(row, dict) and "timestamp" in row
-            and any(k in row for k in ("text", "prompt_words", "images", "output_tokens")))
+            and any(k in row for k in ("text", "prompt_words", "images", "videos",
+                                       "output_tokens")))
 
 
 def sharegpt_json(path: str | Path, output_tokens: int | None, image_root: str | None = None) -> list[RequestSpec]:
@@ -230,16 +321,24 @@ def load_workload(name_or_path: str, n: int, output_tokens: int | None, seed: in
 
 def build_bodies(specs: list[RequestSpec], model: str, ignore_eos: bool = True,
                  progress=None) -> Iterator[bytes]:
-    """Serialise every request (streaming, with usage) to JSON bytes; images cached."""
-    cache: dict[ImageRef, str] = {}
+    """Serialise every request (streaming, with usage) to JSON bytes; images and videos
+    made once each. Media parts come before the text: videos, then images."""
+    cache: dict[ImageRef | VideoRef, str] = {}
     for spec in specs:
         urls = []
-        for ref in spec.images:
+        for ref in (*spec.videos, *spec.images):
             if ref not in cache:
                 cache[ref] = ref.data_url()
             urls.append(cache[ref])
-        body = chat_body(model, spec.text, urls, max_tokens=spec.max_tokens, stream=True,
+        videos, images = urls[:len(spec.videos)], urls[len(spec.videos):]
+        body = chat_body(model, spec.text, images, max_tokens=spec.max_tokens, stream=True,
                          ignore_eos=ignore_eos)
+        if videos:  # chat_body builds image parts only: the videos go in front of them
+            message = body["messages"][0]
+            rest = message["content"]
+            if isinstance(rest, str):
+                rest = [{"type": "text", "text": rest}]
+            message["content"] = [video_part(url) for url in videos] + rest
         if progress:
             progress()
         yield json.dumps(body).encode()

@@ -44,10 +44,11 @@ def add_load_options(p: argparse.ArgumentParser, needs_url: bool) -> None:
                        help="devices of the deployment, to normalise per device")
     p.add_argument("--workload", default="sharegpt4o",
                    help=f"preset ({', '.join(workloads.PRESETS)}), AISBench .jsonl, "
-                        "ShareGPT .json or a folder of images")
+                        "ShareGPT .json, a request trace .jsonl or a folder of images")
     p.add_argument("--num-requests", type=int, default=100, help="requests per rate")
     p.add_argument("--output-tokens", type=int, default=64,
-                   help="fixed output length (0: take it from the dataset)")
+                   help="fixed output length (0: take it from the dataset or preset; the "
+                        "video presets answer in a few tokens)")
     p.add_argument("--no-ignore-eos", action="store_true",
                    help="let the model stop early (default: exactly --output-tokens)")
     p.add_argument("--process", default="poisson", choices=arrivals.PROCESSES)

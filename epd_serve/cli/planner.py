@@ -32,6 +32,7 @@ def _offsets(spec, n: int, rate: float | None):
 
 def cmd_simulate(args) -> int:
     from epd_serve.bench.report import write_report
+    from epd_serve.bench.runner import modality_lines
     from epd_serve.planner import profile as profiles
     from epd_serve.planner import simulator
     from epd_serve.topology import notation
@@ -49,6 +50,8 @@ def cmd_simulate(args) -> int:
         print(f"{args.deployment} @ {rate} req/s: TTFT p50 {s['ttft_ms']['median']:.1f} ms, "
               f"TPOT p50 {s['tpot_ms']['median'] or 0:.1f} ms, SLO attainment "
               f"{s['slo_attainment']:.0%}", file=sys.stderr)
+        for line in modality_lines(s):
+            print(line, file=sys.stderr)
         results.append(run)
     print(f"report: {write_report(results, Path(args.out), spec)}")
     return 0
@@ -105,8 +108,10 @@ def cmd_profile(args) -> int:
     base = profiles.load(args.base)
     if args.url:
         prober = profiler.Prober(args.url, args.model, args.repeats)
-        return _save(profiler.measure(prober, base, slo, args.max_tokens), args)
+        return _save(profiler.measure(prober, base, slo, args.max_tokens, videos=args.videos),
+                     args)
     from epd_serve.runtime import bringup
+    from epd_serve.runtime.progress import allows_videos
     dep = bringup.load(args.config)
     target = next((l for l in dep.launches if set(l.instance.roles) == set("EPD")), None)
     split = profiler.splits_prefill_decode(dep.plan)
@@ -119,7 +124,8 @@ def cmd_profile(args) -> int:
     try:
         if target is not None:
             prober = profiler.Prober(dep.proxy_url, target.served_model_name, args.repeats)
-            prof = profiler.measure(prober, base, slo, args.max_tokens)
+            prof = profiler.measure(prober, base, slo, args.max_tokens,
+                                    videos=allows_videos(dep.config.engine_args))
             what = f"engine costs of {target.name} through the proxy of {dep.plan.to_notation()}"
         else:
             from rich.console import Console
@@ -175,6 +181,10 @@ def add_planner_parsers(sub) -> None:
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=200.0)
     p.add_argument("--repeats", type=int, default=3, help="samples per probe (median)")
+    p.add_argument("--videos", action="store_true",
+                   help="with --url: also measure the encoder's cost per video frame (a "
+                        "deployment file's engines are probed with videos when its "
+                        "limit_mm_per_prompt allows them)")
     p.add_argument("--max-tokens", type=int, default=2048, help="largest prefill probe")
     p.add_argument("--handoff-requests", type=int, default=40,
                    help="requests per hand-off run (split deployments)")

@@ -44,13 +44,16 @@ class Budget:
     seqs: int  # decoding sequences
 
 
-def role_budget(roles: str, slo: SLO, profile, image_tokens: int, context_tokens: int) -> Budget:
+def role_budget(roles: str, slo: SLO, profile, image_tokens: int, context_tokens: int,
+                item_frames: int = 0) -> Budget:
     """Algorithm 1, line 1-5, on a profile's cost model. `image_tokens`: a typical
-    image's visual tokens; `context_tokens`: a typical decoding sequence's context."""
+    encoder item's visual tokens (an image, or a video or a chunk of one, of
+    `item_frames` frames); `context_tokens`: a typical decoding sequence's context."""
     limit = latency_limit_ms(roles, slo, profile.alpha)
     images = tokens = seqs = 0
     if "E" in roles:
-        images = search_budget(lambda n: profile.encode_ms([image_tokens] * n), limit, MAX_IMAGES)
+        images = search_budget(lambda n: profile.encode_ms([image_tokens] * n, n * item_frames),
+                               limit, MAX_IMAGES)
     if "P" in roles:
         tokens = search_budget(lambda n: profile.iteration_ms(n, 0), limit, MAX_TOKENS)
     if "D" in roles:

@@ -1,8 +1,8 @@
 """The planner (paper 001, Algorithm 2): which deployment of N devices serves a
 trace best under an SLO.
 
-1. Sum the trace's work per stage: visual tokens (E), prompt tokens (P), output tokens
-   (D).
+1. Sum the trace's work per stage: visual tokens of images and videos (E), prompt
+   tokens (P), output tokens (D).
 2. Budget each stage for the SLO (budgets.py) and take its throughput at that budget
    from the profile's cost model; a stage's time is its work over its throughput.
 3. Split the N devices across the stage groups of each candidate in proportion to
@@ -72,19 +72,23 @@ class StageWork:
 
 def stage_work(profile: Profile, specs: list[RequestSpec], slo: SLO) -> StageWork:
     tokens = [profile.request_tokens(s) for s in specs]
-    images = [t for _, imgs in tokens for t in imgs]
+    # What an encoder is sent: images, and videos in chunks as the proxy splits them.
+    items = [i for s in specs for i in profile.encode_items(s, simulator.VIDEO_CHUNK_FRAMES)]
     prompts = [text + sum(imgs) for text, imgs in tokens]
     outputs = [s.max_tokens for s in specs]
-    image = int(np.mean(images)) if images else 0
+    image = int(np.mean([i.tokens for i in items])) if items else 0
+    frames = round(float(np.mean([i.frames for i in items]))) if items else 0
     context = int(np.mean(prompts) + np.mean(outputs) / 2)
-    work = {"E": float(sum(images)), "P": float(sum(prompts)), "D": float(sum(outputs))}
-    e = role_budget("E", slo, profile, max(image, 1), context)
+    work = {"E": float(sum(i.tokens for i in items)), "P": float(sum(prompts)),
+            "D": float(sum(outputs))}
+    e = role_budget("E", slo, profile, max(image, 1), context, frames)
     p_tokens = search_budget(lambda n: profile.iteration_ms(n, 0),
                              profile.beta * slo.ttft_ms, 16384)
     d = role_budget("D", slo, profile, max(image, 1), context)
     budget = {"E": e.images, "P": p_tokens, "D": d.seqs}
     throughput = {
-        "E": e.images * image / (profile.encode_ms([image] * e.images) / 1e3) if image else math.inf,
+        "E": (e.images * image / (profile.encode_ms([image] * e.images, e.images * frames) / 1e3)
+              if image else math.inf),
         "P": p_tokens / (profile.iteration_ms(p_tokens, 0) / 1e3),
         "D": d.seqs / (profile.iteration_ms(0, d.seqs, d.seqs * context) / 1e3),
     }

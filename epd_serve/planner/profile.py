@@ -5,15 +5,22 @@ YAML file that `epd-serve profile` writes (measured) or that ships with the pack
 Pure pydantic and arithmetic; the simulator, the budget search and the planner read
 it. Times are milliseconds. A cost is linear in what an iteration holds, which is
 what the papers' batch-latency curves show at the batch sizes serving uses (paper 001,
-Figure 3): an encoder pass costs per image and per visual token, a language-model
-iteration per prefill token, per decoding sequence and per token of their contexts.
+Figure 3): an encoder pass costs per item (an image, or a chunk of a video's frames),
+per video frame and per visual token, a language-model iteration per prefill token,
+per decoding sequence and per token of their contexts.
+
+A video of F frames (at most `video.max_frames`, sampled as the proxy samples) becomes
+ceil(F / temporal_patch) temporal patches, each with the visual tokens of one frame
+resized as an image is (within the video processor's pixel limits). Sent through
+encoders, the proxy splits it into chunks of `chunk_frames` frames, each encoded as an
+item of its own; a monolithic or prefill instance encodes it whole.
 """
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 import yaml
@@ -38,12 +45,39 @@ class ImageTokens(_Strict):
     max_pixels: int = 28 * 28 * 1280
 
 
+class VideoTokens(ImageTokens):
+    """How a video's frames become visual tokens (Qwen-VL's video processor): each
+    frame resized as an image is, within these limits (the model's video processor may
+    have its own: Qwen2-VL's takes 128 to 768 tokens' worth of pixels per frame), and
+    `temporal_patch` frames merged into one temporal patch."""
+
+    temporal_patch: int = Field(2, ge=1, description="Frames per temporal patch (Qwen2-VL: 2).")
+    max_frames: int = Field(64, ge=1, description="Frames kept of a longer video (the "
+                            "proxy samples at most 64 uniformly).")
+
+
+class EncodeItem(NamedTuple):
+    """One item an encoder is given: an image (no frames), a video or a chunk of one."""
+
+    tokens: int
+    frames: int = 0
+
+
 class EncoderCost(_Strict):
-    """One encoder pass over a batch of images."""
+    """One encoder pass over a batch of items (images, videos, chunks of videos)."""
 
     fixed_ms: float = Field(description="Per pass (launch, scheduling).")
-    per_image_ms: float = Field(description="Per image (pre-processing, per-item kernels).")
+    per_image_ms: float = Field(description="Per item (pre-processing, per-item kernels).")
     per_token_ms: float = Field(description="Per visual token after merging.")
+    per_frame_ms: float | None = Field(None, description="Per video frame, beyond its "
+                                       "tokens: turning a decoded frame into the encoder's "
+                                       "input (decode, resize, normalise, patchify), paid "
+                                       "before the item's tokens. Default: per_image_ms, a "
+                                       "frame costing what an image's pre-processing does.")
+
+    @property
+    def frame_ms(self) -> float:
+        return self.per_image_ms if self.per_frame_ms is None else self.per_frame_ms
 
 
 class LLMCost(_Strict):
@@ -141,6 +175,9 @@ class Profile(_Strict):
     tokens_per_word: float = Field(1.0, description="Text tokens per word of a prompt.")
     template_tokens: int = Field(20, description="Chat-template tokens around a prompt.")
     image: ImageTokens = Field(default_factory=ImageTokens)
+    video: VideoTokens | None = Field(None, description="A video frame's pixel limits and "
+                                      "the temporal merge; default: the image's limits, "
+                                      "temporal patch 2.")
     encoder: EncoderCost
     llm: LLMCost
     transfers: Transfers
@@ -156,30 +193,57 @@ class Profile(_Strict):
     # -- what a request asks of each stage ------------------------------------------
     def image_tokens(self, width: int, height: int) -> int:
         """Visual tokens of a width x height image after Qwen-VL's smart resize."""
-        unit = self.image.unit_px
-        h = max(unit, round(height / unit) * unit)
-        w = max(unit, round(width / unit) * unit)
-        if h * w > self.image.max_pixels:
-            scale = math.sqrt(height * width / self.image.max_pixels)
-            h = max(unit, math.floor(height / scale / unit) * unit)
-            w = max(unit, math.floor(width / scale / unit) * unit)
-        elif h * w < self.image.min_pixels:
-            scale = math.sqrt(self.image.min_pixels / (height * width))
-            h = math.ceil(height * scale / unit) * unit
-            w = math.ceil(width * scale / unit) * unit
-        return (h // unit) * (w // unit)
+        return _resized_tokens(width, height, self.image)
+
+    @property
+    def video_limits(self) -> VideoTokens:
+        return self.video or VideoTokens(**self.image.model_dump())
+
+    def video_frames(self, frames: int) -> int:
+        """Frames of a video that are encoded (the proxy samples the longer ones)."""
+        return min(frames, self.video_limits.max_frames)
+
+    def video_tokens(self, frames: int, width: int, height: int) -> int:
+        """Visual tokens of a video: a frame's tokens per temporal patch."""
+        limits = self.video_limits
+        patches = math.ceil(self.video_frames(frames) / limits.temporal_patch)
+        return patches * _resized_tokens(width, height, limits)
+
+    def video_items(self, frames: int, width: int, height: int,
+                    chunk_frames: int | None = None) -> list[EncodeItem]:
+        """A video as encoder items: whole, or in chunks of `chunk_frames` frames (the
+        last may be shorter) as the proxy splits it over encoders."""
+        kept = self.video_frames(frames)
+        step = chunk_frames or kept
+        return [EncodeItem(self.video_tokens(min(step, kept - start), width, height),
+                           min(step, kept - start)) for start in range(0, kept, step)]
 
     def request_tokens(self, spec: RequestSpec) -> tuple[int, list[int]]:
-        """(text tokens incl. the chat template, visual tokens per image)."""
+        """(text tokens incl. the chat template, visual tokens per image and per video)."""
         text = self.template_tokens + math.ceil(len(spec.text.split()) * self.tokens_per_word)
-        return text, [self.image_tokens(*_size(ref)) for ref in spec.images]
+        videos = [self.video_tokens(v.frames, v.width, v.height) for v in spec.videos]
+        return text, [self.image_tokens(*_size(ref)) for ref in spec.images] + videos
+
+    def encode_items(self, spec: RequestSpec, chunk_frames: int | None = None) -> list[EncodeItem]:
+        """What encoding a request's media takes: one item per image, and each video
+        whole or in chunks of `chunk_frames` frames."""
+        images = [EncodeItem(self.image_tokens(*_size(ref))) for ref in spec.images]
+        return images + [item for v in spec.videos
+                         for item in self.video_items(v.frames, v.width, v.height, chunk_frames)]
 
     # -- what an iteration costs ------------------------------------------------------
-    def encode_ms(self, visual_tokens: list[int]) -> float:
+    def encode_ms(self, visual_tokens: list[int], frames: int = 0) -> float:
+        """One encoder pass over items of these visual tokens holding `frames` video
+        frames in all."""
         if not visual_tokens:
             return 0.0
         e = self.encoder
-        return e.fixed_ms + e.per_image_ms * len(visual_tokens) + e.per_token_ms * sum(visual_tokens)
+        return (e.fixed_ms + e.per_image_ms * len(visual_tokens) + e.frame_ms * frames
+                + e.per_token_ms * sum(visual_tokens))
+
+    def items_ms(self, items: list[EncodeItem]) -> float:
+        """One encoder pass over these items."""
+        return self.encode_ms([i.tokens for i in items], sum(i.frames for i in items))
 
     def iteration_ms(self, prefill_tokens: int, decode_seqs: int, context_tokens: int = 0) -> float:
         if prefill_tokens <= 0 and decode_seqs <= 0:
@@ -187,6 +251,23 @@ class Profile(_Strict):
         m = self.llm
         return (m.fixed_ms + m.per_prefill_token_ms * prefill_tokens
                 + m.per_decode_seq_ms * decode_seqs + m.per_context_token_ms * context_tokens)
+
+
+def _resized_tokens(width: int, height: int, limits: ImageTokens) -> int:
+    """Visual tokens of a width x height picture after Qwen-VL's smart resize: each side
+    rounded to the unit, the area brought within the limits."""
+    unit = limits.unit_px
+    h = max(unit, round(height / unit) * unit)
+    w = max(unit, round(width / unit) * unit)
+    if h * w > limits.max_pixels:
+        scale = math.sqrt(height * width / limits.max_pixels)
+        h = max(unit, math.floor(height / scale / unit) * unit)
+        w = max(unit, math.floor(width / scale / unit) * unit)
+    elif h * w < limits.min_pixels:
+        scale = math.sqrt(limits.min_pixels / (height * width))
+        h = math.ceil(height * scale / unit) * unit
+        w = math.ceil(width * scale / unit) * unit
+    return (h // unit) * (w // unit)
 
 
 def _quantile(sorted_samples: list[float], u: float) -> float:

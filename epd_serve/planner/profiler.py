@@ -32,6 +32,7 @@ import numpy as np
 
 from epd_serve.bench.timings import SLO
 from epd_serve.instances.payloads import chat_body, image_data_url, make_image
+from epd_serve.instances.videos import make_video, video_data_url, video_part
 from epd_serve.planner import budgets
 from epd_serve.planner.profile import EncoderCost, LLMCost, Profile
 
@@ -50,6 +51,7 @@ class Prober:
         self.log = log
         self._rng = np.random.default_rng(0)
         self._image_seed = 10_000
+        self._video_seed = 20_000
 
     def _ids(self, n: int) -> list[int]:
         return self._rng.integers(*TOKEN_ID_RANGE, size=n).tolist()
@@ -190,6 +192,44 @@ class Prober:
         return ms
 
 
+    def video_ms(self, frames: int, size: int) -> float:
+        """One request about a fresh video of `frames` frames of size x size, streamed:
+        its time to first token (median of the repeats)."""
+        samples = []
+        for _ in range(self.repeats):
+            self._video_seed += 1
+            body = chat_body(self.model, "describe", max_tokens=1)
+            body["messages"][0]["content"] = [
+                video_part(video_data_url(make_video(frames, size, size, self._video_seed))),
+                {"type": "text", "text": "describe"}]
+
+            async def one(client, body=body):
+                start = time.monotonic()
+                return (await self._first_token(client, body) - start) * 1e3
+            samples.append(self._run(one))
+        ms = statistics.median(samples)
+        self.log(f"  video   {frames:5d} frames x {size}px: {ms:7.1f} ms")
+        return ms
+
+
+def per_frame_ms(prober: Prober, base: Profile, costs: dict[str, float],
+                 frames: tuple[int, int] = (8, 32), size: int = 224) -> tuple[float, list]:
+    """The encoder's cost per video frame beyond its visual tokens: two videos' times to
+    first token, less what the rest of the profile says each costs (the request, the
+    prompt's prefill, the encoder's visual tokens), apart by their frames. Also the
+    measured points."""
+    rest = []
+    for n in frames:
+        tokens = base.video_tokens(n, size, size)
+        ms = prober.video_ms(n, size)
+        beyond = ms - (costs["hop_ms"] + costs["fixed_d"]
+                       + costs["per_token"] * (tokens + base.template_tokens)
+                       + costs["per_vtoken"] * tokens)
+        rest.append((n, ms, beyond))
+    (n0, _, r0), (n1, _, r1) = rest
+    return max(0.0, (r1 - r0) / (n1 - n0)), [[n, size, round(ms, 2)] for n, ms, _ in rest]
+
+
 class _Probed:
     """A probe that measures each argument once: the budget search and the fits both
     read it, and `points` keeps every measurement for the fit and the profile."""
@@ -222,14 +262,14 @@ def _fit(xs: list[list[float]], ys: list[float]) -> np.ndarray:
     return coef
 
 
-def measure(prober: Prober, base: Profile, slo: SLO, max_tokens: int = 2048,
-            max_images: int = 8, max_seqs: int = 32, image_size: int = 448) -> Profile:
+def measure(prober: Prober, base: Profile, slo: SLO, max_tokens: int = 2048, max_images: int = 8,
+            max_seqs: int = 32, image_size: int = 448, videos: bool = False) -> Profile:
     """Measure the engine behind `prober` (through its proxy, as clients reach it),
     search each role's budget against it, and return `base` with the measured costs and
     budgets. A request's own costs (the proxy, HTTP, the chat template, tokenising,
     scheduling) are a chat prompt's time to first token beyond one iteration and its
     tokens' prefill: the profile charges them per hop. E -> P and P -> D hand-offs stay
-    as in `base` (see measure_handoffs)."""
+    as in `base` (see measure_handoffs). `videos`: also a video frame's encoder cost."""
     log = prober.log
     log("prefill: token budget under alpha x TTFT and under TBT (binary search)")
     prefill = _Probed(prober.prefill_ms)
@@ -300,7 +340,17 @@ def measure(prober: Prober, base: Profile, slo: SLO, max_tokens: int = 2048,
         "chat": [[chat_tokens, round(chat_ms, 2)]],
         "images": [[n, size, round(ms, 2)] for (n, size), ms in sorted(encode_cache.items())],
     }
-    return _measured_profile(base, slo, costs, budgets_found, tokens_per_image, points)
+    profile = _measured_profile(base, slo, costs, budgets_found, tokens_per_image, points)
+    return _with_frame_cost(prober, profile, base, costs) if videos else profile
+
+
+def _with_frame_cost(prober: Prober, profile: Profile, base: Profile,
+                     costs: dict[str, float]) -> Profile:
+    """`profile` with the encoder's cost per video frame measured, and its points."""
+    prober.log("encode: a video's cost per frame (two videos, apart by their frames)")
+    profile.encoder.per_frame_ms, profile.measured["points_ms"]["videos"] = per_frame_ms(
+        prober, base, costs)
+    return profile
 
 
 def _measured_profile(base: Profile, slo: SLO, costs: dict[str, float],
@@ -316,7 +366,8 @@ def _measured_profile(base: Profile, slo: SLO, costs: dict[str, float],
                           mm_decode_once_ms=float(costs["mm_once"]))
     profile.encoder = EncoderCost(fixed_ms=float(costs["fixed_e"]),
                                   per_image_ms=float(costs["per_image"]),
-                                  per_token_ms=float(costs["per_vtoken"]))
+                                  per_token_ms=float(costs["per_vtoken"]),
+                                  per_frame_ms=base.encoder.per_frame_ms)
     profile.transfers = base.transfers.model_copy(update={"hop_ms": float(costs["hop_ms"])})
     e_budget, p_budget, pd_budget, d_budget = found["E"], found["P"], found["PD"], found["D"]
     profile.measured = {

@@ -6,11 +6,14 @@ x-epd-stages header like the proxy's), so a simulated run is summarised, compare
 plotted by the load tool's own code.
 
 The model, per request:
-- the proxy routes it by modality as proxy/routing.py does: images to encoder-only
-  instances when there are any (each image to the least-loaded one), then to a
-  prefill instance; text straight to prefill. With separate decode instances the
-  prefill hop is followed by a decode hop. Each hop costs the profile's hop_ms; the
-  least-loaded instance (fewest hops in flight, ties rotating) takes it;
+- the proxy routes it by modality as proxy/routing.py does: images and videos to
+  encoder-only instances when there are any (each image, and each chunk of
+  `video_chunk_frames` frames of a video, to the least-loaded one, so one video's
+  chunks spread over the encoders), then to a prefill instance; text straight to
+  prefill. An instance that encodes for itself (no encoders) takes a video whole.
+  With separate decode instances the prefill hop is followed by a decode hop. Each hop
+  costs the profile's hop_ms; the least-loaded instance (fewest hops in flight, ties
+  rotating) takes it;
 - between stages the E -> P feature copy and the P -> D KV copy cost what the
   profile's transfers say is not hidden: a delay, or, where the profile says hand-offs
   block (a CPU host, where the copy competes for the cores), time the receiving
@@ -42,8 +45,11 @@ import numpy as np
 from epd_serve.bench.timings import SLO, RequestRecord, summarize
 from epd_serve.bench.workloads import RequestSpec
 from epd_serve.planner.budgets import Budget, engine_flags, role_budget
-from epd_serve.planner.profile import Profile
+from epd_serve.planner.profile import EncodeItem, Profile
 from epd_serve.planner.switching import RoleControl, RoleController, Switch
+
+
+VIDEO_CHUNK_FRAMES = 4  # the proxy's default routing.video_chunk_frames
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,8 +69,10 @@ class _Request:
     spec: RequestSpec
     arrival: float
     text_tokens: int
-    image_tokens: list[int]
+    image_tokens: list[int]  # visual tokens per image and per video
     record: RequestRecord
+    items: list[EncodeItem] = dataclasses.field(default_factory=list)  # sent to encoders
+    whole_items: list[EncodeItem] = dataclasses.field(default_factory=list)  # encoded by P
     images_left: int = 0
     features_ready: bool = False
     prefill_left: int = 0
@@ -91,7 +99,7 @@ class _Engine:
         self.role_since = -float("inf")  # when it began serving its roles (switching)
         self.budget = budget
         self.kv_capacity = kv_capacity
-        self.encode_queue: collections.deque = collections.deque()  # (request, tokens)
+        self.encode_queue: collections.deque = collections.deque()  # (request, EncodeItem)
         self.prefill_queue: collections.deque = collections.deque()
         self.decoding: list[_Request] = []
         self.waiting_decode: collections.deque = collections.deque()  # admitted by KV room
@@ -133,9 +141,15 @@ class Simulation:
     """One simulated load run of one deployment."""
 
     def __init__(self, instances: list[SimInstance], profile: Profile, slo: SLO, seed: int = 0,
-                 role_control: RoleControl | None = None):
+                 role_control: RoleControl | None = None,
+                 video_chunk_frames: int = VIDEO_CHUNK_FRAMES):
         """`role_control`: the controller's settings, to move switchable instances
-        between stages while the run goes on; None keeps every role fixed."""
+        between stages while the run goes on; None keeps every role fixed.
+        `video_chunk_frames`: frames per chunk of a video sent to the encoders (the
+        proxy's routing option of that name)."""
+        if video_chunk_frames < 1:
+            raise ValueError("video_chunk_frames must be at least 1")
+        self.video_chunk_frames = video_chunk_frames
         if not instances:
             raise ValueError("a deployment needs at least one instance")
         self.profile = profile
@@ -157,9 +171,13 @@ class Simulation:
 
     # -- set-up -------------------------------------------------------------------------
     def _build(self, requests: list[_Request]) -> None:
-        typical_image = int(_mean([t for r in requests for t in r.image_tokens]) or 256)
+        # A typical encoder item: an image, or a video (a chunk of one, where encoders
+        # take them).
+        items = [i for r in requests for i in (r.items if "E" in self.pools else r.whole_items)]
+        typical_image = int(_mean([i.tokens for i in items]) or 256)
         typical_context = int(_mean([r.prompt_tokens + r.spec.max_tokens / 2 for r in requests]) or 512)
-        self._typical = (typical_image, typical_context)
+        typical_frames = round(_mean([i.frames for i in items]))
+        self._typical = (typical_image, typical_context, typical_frames)
         per_device = collections.Counter(inst.device for inst in self.instances)
         for inst in self.instances:
             capacity = self.profile.memory.kv_capacity_tokens // per_device[inst.device]
@@ -206,8 +224,12 @@ class Simulation:
         for spec, offset in zip(specs, offsets):
             text, images = self.profile.request_tokens(spec)
             record = RequestRecord(index=spec.index, multimodal=spec.multimodal,
-                                   scheduled=float(offset), sent=float(offset))
-            requests.append(_Request(spec, float(offset), text, images, record))
+                                   scheduled=float(offset), sent=float(offset),
+                                   modality=spec.modality)
+            requests.append(_Request(
+                spec, float(offset), text, images, record,
+                items=self.profile.encode_items(spec, self.video_chunk_frames),
+                whole_items=self.profile.encode_items(spec)))
         self._build(requests)
         self.open_requests = len(requests)
         for req in requests:
@@ -245,12 +267,12 @@ class Simulation:
 
     def _arrive(self, now: float, req: _Request) -> None:
         if req.image_tokens and "E" in self.pools:
-            req.images_left = len(req.image_tokens)
-            for tokens in req.image_tokens:
+            req.images_left = len(req.items)
+            for item in req.items:  # each image and video chunk: a hop of its own
                 engine = self._choose("E")
                 engine.in_flight += 1
                 self._push(now + self.profile.transfers.hop_ms / 1e3, self._enqueue_image,
-                           engine, req, tokens)
+                           engine, req, item)
         else:
             req.features_ready = not req.image_tokens
             self._to_prefill(now, req)
@@ -258,22 +280,32 @@ class Simulation:
     def _to_prefill(self, now: float, req: _Request) -> None:
         self._hop(now, "P" if "P" in self.pools else "PD", req, self._enqueue_prefill)
 
-    def _enqueue_image(self, now: float, engine: _Engine, req: _Request, tokens: int) -> None:
+    def _enqueue_image(self, now: float, engine: _Engine, req: _Request, item: EncodeItem) -> None:
         req.stage_start.setdefault("E", now)
         req.stage_ms.setdefault("E", (set(), 0.0))[0].add(engine.name)
-        engine.encode_queue.append((req, tokens))
+        engine.encode_queue.append((req, item))
         self._kick(now, engine)
 
     def _enqueue_prefill(self, now: float, engine: _Engine, req: _Request) -> None:
         stage = "P" if "P" in self.pools else "PD"
         req.stage_start[stage] = now
         req.prefill_left = req.prompt_tokens
-        if not req.features_ready:  # no encoders: prefill encodes the images itself
-            req.images_left = len(req.image_tokens)
-            for tokens in req.image_tokens:
-                engine.encode_queue.append((req, tokens))
+        if not req.features_ready:  # no encoders: prefill encodes the media itself, whole
+            req.images_left = len(req.whole_items)
+            for item in req.whole_items:
+                engine.encode_queue.append((req, item))
+        elif frames := sum(i.frames for i in req.whole_items):
+            # A video reaches prefill as its frames (the proxy sends no reference for
+            # one): prefill's API server prepares them again before the engine sees it.
+            self._push(now + frames * self.profile.encoder.frame_ms / 1e3,
+                       self._prepared_for_prefill, engine, req)
+            return
         else:
             engine.prefill_queue.append(req)
+        self._kick(now, engine)
+
+    def _prepared_for_prefill(self, now: float, engine: _Engine, req: _Request) -> None:
+        engine.prefill_queue.append(req)
         self._kick(now, engine)
 
     def _enqueue_decode(self, now: float, engine: _Engine, req: _Request) -> None:
@@ -289,8 +321,8 @@ class Simulation:
         images, prefill, decode = batch
         lm_prefill = sum(n for _, n in prefill)
         if engine.full_engine_encoder:  # its encode hops prefill the image and template
-            lm_prefill += sum(t + self.profile.template_tokens for _, t in images)
-        cost = self._owed(prefill, decode) + (self.profile.encode_ms([t for _, t in images])
+            lm_prefill += sum(i.tokens + self.profile.template_tokens for _, i in images)
+        cost = self._owed(prefill, decode) + (self.profile.items_ms([i for _, i in images])
                 + self.profile.iteration_ms(lm_prefill, len(decode),
                                             sum(r.prompt_tokens + r.generated for r in decode)))
         if decode and engine.receives_kv:
@@ -340,7 +372,7 @@ class Simulation:
     def _iteration_done(self, now: float, engine: _Engine, batch) -> None:
         images, prefill, decode = batch
         engine.busy_until = None
-        for req, tokens in images:
+        for req, _ in images:
             engine.encoded_images += 1
             req.images_left -= 1
             if "P" not in engine.roles:
@@ -460,12 +492,14 @@ def instances_of(plan) -> list[SimInstance]:
 
 def simulate(instances: list[SimInstance], profile: Profile, specs: list[RequestSpec],
              offsets, slo: SLO, rate: float | None = None, num_devices: int | None = None,
-             label: str = "", seed: int = 0, role_control: RoleControl | None = None):
+             label: str = "", seed: int = 0, role_control: RoleControl | None = None,
+             video_chunk_frames: int = VIDEO_CHUNK_FRAMES):
     """One simulated load run: (the load tool's RunResult, the SimResult: per-instance
     work and any role switches)."""
     from epd_serve.bench.runner import RunResult
 
-    result = Simulation(instances, profile, slo, seed, role_control).run(specs, offsets)
+    result = Simulation(instances, profile, slo, seed, role_control,
+                        video_chunk_frames).run(specs, offsets)
     devices = num_devices or len({i.device for i in instances})
     summary = summarize(result.records, slo, devices, rate)
     summary.update({"label": label, "rate": rate, "simulated": True,

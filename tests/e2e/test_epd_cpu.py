@@ -27,8 +27,12 @@ from epd_serve.bench import waterfall as timeline_view
 from epd_serve.cli.demo import traced_request
 from epd_serve.instances.counters import parse_prometheus
 from epd_serve.instances.payloads import chat_body, image_data_url, make_image
+from epd_serve.instances.videos import make_video, video_data_url, video_part
 from epd_serve.mmstore import FeatureMeta, open_store
-from epd_serve.proxy.tenancy import image_key
+from epd_serve.protocols.feature_chunks import joined_key
+from epd_serve.proxy.guards import Limits
+from epd_serve.proxy.tenancy import image_key, video_chunk_keys
+from epd_serve.proxy.video import decode_video
 
 from ..waiting import wait_for
 from .conftest import STORE_CAPACITY
@@ -289,6 +293,82 @@ def test_greedy_answer_matches_the_monolithic_instance(dep, engine_is_023):
     assert s_tokens == a_tokens
     # The feature is what the prompt attends to: a wrong or zero one would move these.
     assert np.allclose(s_logprobs, a_logprobs, atol=0.05)
+
+
+# -- video -----------------------------------------------------------------------------
+def video_body(dep, frames: int, seed: int) -> tuple[dict, str]:
+    """A chat request about a generated H.264 video; and the frame list the proxy sends
+    every stage for it (the same decoding and sampling: proxy/video.py)."""
+    url = video_data_url(make_video(frames, 224, 224, seed=seed))
+    body = chat_body(dep.launches[0].served_model_name, "What happens in the video?",
+                     max_tokens=MAX_TOKENS)
+    body["messages"][0]["content"] = [video_part(url),
+                                      {"type": "text", "text": "What happens in the video?"}]
+    body.update({"temperature": 0, "logprobs": True})
+    return body, decode_video(url, Limits()).url
+
+
+def loaded_whole(dep, instance: str, sent_url: str) -> int:
+    """How often the instance's connector loaded the video's chunks, joined."""
+    key = joined_key(video_chunk_keys(dep.launches[0].served_model_name, sent_url))
+    return len(re.findall(rf"epd-ec loaded mm_hash={re.escape(key)} ",
+                          instance_log(dep, instance)))
+
+
+@pytest.mark.parametrize("frames", [64, 7])
+def test_a_video_is_encoded_on_e_in_chunks_and_answered_as_one_instance_answers_it(
+        dep, engine_is_023, frames):
+    e, p, _ = names(dep)
+    body, sent = video_body(dep, frames, seed=700 + frames)
+    with httpx.Client(timeout=300) as client:
+        split, _, delta = traced_request(client, dep, body)
+        # The prefill instance alone is a whole engine: sent the same frames, it
+        # encodes the video itself.
+        p_url = next(l.url for l in dep.launches if l.name == p)
+        alone = client.post(p_url + "/v1/chat/completions",
+                            json={**body, "messages": [{"role": "user", "content": [
+                                video_part(sent), body["messages"][0]["content"][1]]}]})
+    assert split.status_code == alone.status_code == 200, split.text
+    assert split.headers["x-epd-stages"].startswith(f"E={e}:")
+    assert split.headers["x-epd-stages"].endswith("IMG=keyed")
+    # E encoded every chunk (64 frames: 16 of 4) and P read them all, joined, never
+    # encoding the video itself.
+    assert loaded_whole(dep, p, sent) == 1
+    if not engine_is_023:  # (vLLM 0.23 has no EC counters; its log says the same)
+        assert delta[e].ec_saved == -(-frames // 4)
+        assert delta[p].ec_encoded_locally == 0
+    s_tokens, s_logprobs = tokens_and_logprobs(split)
+    a_tokens, a_logprobs = tokens_and_logprobs(alone)
+    assert s_tokens == a_tokens
+    assert np.allclose(s_logprobs, a_logprobs, atol=0.05)
+
+
+def test_a_repeated_video_skips_the_encoder(dep):
+    e, p, _ = names(dep)
+    body, sent = video_body(dep, 16, seed=751)
+    with httpx.Client(timeout=300) as client:
+        first, _, _ = traced_request(client, dep, body)
+        again, _, delta = traced_request(client, dep, body)
+    assert first.status_code == again.status_code == 200
+    assert first.headers["x-epd-stages"].startswith(f"E={e}:")
+    assert again.headers["x-epd-stages"].startswith("E=store:")
+    assert delta[e].requests == 0
+    assert loaded_whole(dep, p, sent) >= 1
+    assert tokens_and_logprobs(again)[0] == tokens_and_logprobs(first)[0]
+
+
+def test_a_video_whose_chunks_were_lost_is_encoded_by_prefill(dep):
+    _, p, _ = names(dep)
+    body, sent = video_body(dep, 8, seed=761)
+    with httpx.Client(timeout=300) as client:
+        resp = client.post(dep.proxy_url + "/v1/chat/completions", json=body,
+                           headers={"x-epd-fault": "drop-features"})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["completion_tokens"] == MAX_TOKENS
+    assert loaded_whole(dep, p, sent) == 0
+    key = joined_key(video_chunk_keys(dep.launches[0].served_model_name, sent))
+    assert re.search(rf"epd-ec {re.escape(key.split(',')[0])} is not in the MM Store",
+                     instance_log(dep, p))
 
 
 def test_filling_the_store_past_capacity_evicts_and_never_fails(dep):

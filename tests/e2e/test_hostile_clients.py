@@ -22,9 +22,9 @@ import pytest
 
 from epd_serve.instances.counters import snapshot
 from epd_serve.instances.payloads import chat_body, make_image
+from epd_serve.instances.videos import encode_video, make_video, video_data_url, video_part
 from epd_serve.proxy.tenancy import Tenants, image_key
-
-from .second_proxy import second_proxy
+from epd_serve.testing.second_proxy import second_proxy
 
 TOKENS = 3
 STORES = ["shm", "mooncake"]
@@ -119,6 +119,35 @@ def test_a_client_cannot_plant_what_another_users_image_is_computed_from(dep):
     assert same_answer(victims_answer, copys_answer), (victims_answer, copys_answer)
     # The fingerprint tells the images apart: a planted feature would have shown.
     assert not same_answer(victims_answer, attackers_answer)
+
+
+def test_hostile_videos_get_a_4xx_before_any_engine_and_the_deployment_keeps_serving(dep):
+    _, png_bytes = png(seed=7150)
+    bomb = np.zeros((2, 4096, 4096, 3), np.uint8)  # 190 KB that decode to 100 MB
+    cases = {
+        "an image sent as a video": (png_bytes, 400, "not a video"),
+        "a broken MP4": (b"\x00\x00\x00\x18ftypmp42" + os.urandom(4096), 400,
+                         "not a readable video"),
+        "too many frames": (make_video(3700, 16, 16, codec="mpeg4"), 413, "more than 3600"),
+        "a decompression bomb": (encode_video(bomb, codec="mpeg4"), 413, "4096x4096"),
+    }
+    before = {l.name: snapshot(l.url).requests for l in dep.launches}
+    for name, (data, status, words) in cases.items():
+        resp = ask(dep.proxy_url, image_question(dep, video_part(video_data_url(data))))
+        assert resp.status_code == status, (name, resp.text)
+        assert words in resp.json()["error"]["message"], (name, resp.text)
+    # The proxy's own stage keys cannot be set by a client either.
+    planted = {**image_question(dep, video_part(video_data_url(make_video(4, 64, 64)))),
+               "vllm_xargs": {"epd_video_keys": ["a.0,a.1"]}}
+    resp = ask(dep.proxy_url, planted)
+    assert resp.status_code == 400 and "epd_video_keys" in resp.text, resp.text
+    # None of them reached an engine, and a real video is served right after.
+    assert {l.name: snapshot(l.url).requests for l in dep.launches} == before
+    ok = ask(dep.proxy_url, image_question(dep, video_part(video_data_url(
+        make_video(8, 224, 224, seed=7151)))))
+    assert ok.status_code == 200, ok.text
+    status = httpx.get(dep.proxy_url + "/status", timeout=30).json()
+    assert all(i["healthy"] for i in status["instances"])
 
 
 def test_a_stored_feature_cannot_be_read_by_naming_it(dep):

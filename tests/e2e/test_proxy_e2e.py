@@ -14,15 +14,20 @@ import types
 import zlib
 
 import httpx
+import numpy as np
 import pytest
+import torch
 
 from epd_serve.instances.counters import snapshot
 from epd_serve.instances.payloads import chat_body, image_data_url, make_image
+from epd_serve.instances.videos import make_video, video_data_url, video_part
+from epd_serve.mmstore import open_store
+from epd_serve.proxy.guards import Limits
 from epd_serve.proxy.routing import rendezvous
-from epd_serve.proxy.tenancy import image_key
+from epd_serve.proxy.tenancy import image_key, video_chunk_keys
+from epd_serve.proxy.video import decode_video
 from epd_serve.runtime.plan import proxy_config
-
-from .second_proxy import second_proxy
+from epd_serve.testing.second_proxy import second_proxy
 
 MAX_TOKENS = 4
 
@@ -82,6 +87,59 @@ def test_four_images_are_encoded_on_both_encoders_at_once(dep):
     log = (dep.work_dir / "logs" / "pd0.log").read_text(errors="replace")
     for url in urls:
         assert f"epd-ec loaded mm_hash={image_key(model(dep), url)}" in log
+
+
+def video_request(dep, url: str) -> dict:
+    body = chat_body(model(dep), "What happens?", max_tokens=MAX_TOKENS)
+    body["messages"][0]["content"] = [video_part(url), {"type": "text", "text": "What happens?"}]
+    return {**body, "temperature": 0, "logprobs": True}
+
+
+def answer(resp: httpx.Response) -> tuple[list[str], np.ndarray]:
+    content = resp.json()["choices"][0]["logprobs"]["content"]
+    return [c["token"] for c in content], np.array([c["logprob"] for c in content])
+
+
+def feature(store, key: str) -> torch.Tensor:
+    data, meta = store.get(key)
+    return torch.frombuffer(bytearray(data), dtype=getattr(torch, meta.dtype)).reshape(
+        meta.shape).float()
+
+
+def test_a_videos_chunks_are_encoded_on_both_encoders_and_match_one_encoder(dep):
+    url = video_data_url(make_video(32, 224, 224, seed=800))
+    sent = decode_video(url, Limits()).url  # the frames the proxy sends every stage
+    before = counters(dep)
+    split = post(dep, video_request(dep, url))
+    assert split.status_code == 200, split.text
+    stages = split.headers["x-epd-stages"]
+    assert "E=e0+e1:" in stages and stages.endswith("IMG=keyed"), stages
+    after = counters(dep)
+    # 32 frames: 8 chunks of 4, four on each encoder; the merged instance read them
+    # all as one feature and encoded nothing itself.
+    assert after["e0"].ec_saved - before["e0"].ec_saved == 4
+    assert after["e1"].ec_saved - before["e1"].ec_saved == 4
+    assert after["pd0"].ec_loaded - before["pd0"].ec_loaded == 1
+    assert after["pd0"].ec_encoded_locally == before["pd0"].ec_encoded_locally
+    urls = {l.name: l.url for l in dep.launches}
+    # One encoder given the whole video (one item, all 32 frames) computes the same
+    # features as the eight chunks from two encoders, joined in order...
+    whole = httpx.post(urls["e0"] + "/v1/chat/completions", timeout=300, json={
+        **video_request(dep, sent), "max_tokens": 1}).json()
+    (whole_key,) = whole["ec_transfer_params"]
+    with open_store(dep.mm_store) as store:
+        joined = torch.cat([feature(store, key)
+                            for key in video_chunk_keys(model(dep), sent)])
+        alone = feature(store, whole_key)
+    assert joined.shape == alone.shape
+    assert torch.allclose(joined, alone, atol=0.02 * float(alone.abs().max()))
+    # ...and the merged instance encoding the same frames itself answers the same.
+    mono = httpx.post(urls["pd0"] + "/v1/chat/completions", json=video_request(dep, sent),
+                      timeout=300)
+    s_tokens, s_logprobs = answer(split)
+    m_tokens, m_logprobs = answer(mono)
+    assert s_tokens == m_tokens
+    assert np.allclose(s_logprobs, m_logprobs, atol=0.05)
 
 
 def test_a_weighted_encoder_policy_sends_each_image_to_its_affine_encoder(dep):

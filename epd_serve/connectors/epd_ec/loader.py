@@ -12,7 +12,8 @@ scheduler only says "cached" for a feature whose private copy is here, so a stor
 lost the feature, restarted, or stopped answering shows up before vLLM's decision and
 becomes local encoding, never a step that cannot run. A copy lasts as long as a request
 holds it; a prefetched copy no request has taken yet stays within a byte budget and for
-`UNCLAIMED_TTL_S`.
+`UNCLAIMED_TTL_S`. A video's features stored in chunks (protocols/feature_chunks.py) are
+read chunk by chunk and joined in order; one chunk missing is the whole missing.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import numpy as np
 import zmq
 
 from epd_serve.mmstore import FeatureMeta, FeatureStore, StoreError
+from epd_serve.protocols.feature_chunks import part_keys
 
 log = logging.getLogger("vllm.epd_serve.ec")
 
@@ -36,6 +38,10 @@ UNCLAIMED_TTL_S = 120.0
 # After the store failed a read (not a miss: an error), reads fail at once for this
 # long instead of each waiting for the store's own timeout while it is away.
 STORE_RETRY_AFTER_S = 2.0
+
+
+class ChunksDisagree(ValueError):
+    """A feature's chunks cannot be joined (their shapes or dtypes differ)."""
 
 
 @dataclass
@@ -185,11 +191,35 @@ class FeatureLoader:
             item.error = "the MM Store failed a read moments ago"
             return
         try:
-            item.result = self.store.get(item.key)
+            parts = part_keys(item.key)
+            item.result = self.store.get(item.key) if parts is None else self._joined(parts)
+        except ChunksDisagree as err:  # the store answered: one video's data is bad
+            item.error = str(err)
+            log.warning("epd-ec %s", err)
         except StoreError as err:
             self._store_away_until = time.monotonic() + STORE_RETRY_AFTER_S
             item.error = str(err)
             log.warning("epd-ec reading %s from the MM Store failed: %s", item.key, err)
+
+    def _joined(self, parts: list[str]) -> tuple[np.ndarray, FeatureMeta] | None:
+        """A feature stored in chunks (a video's frames encoded in parts), joined in
+        order; a miss if any chunk is (the request then encodes the whole here)."""
+        read = []
+        for key in parts:
+            found = self.store.get(key)
+            if found is None:
+                log.info("epd-ec %s is not in the MM Store: its whole is encoded here", key)
+                return None
+            read.append(found)
+        first = read[0][1]
+        rows = 0
+        for _, meta in read:
+            if meta.dtype != first.dtype or tuple(meta.shape[1:]) != tuple(first.shape[1:]):
+                raise ChunksDisagree(f"the chunks of {parts[0]} disagree: {meta.shape} "
+                                     f"{meta.dtype} after {first.shape} {first.dtype}")
+            rows += meta.shape[0]
+        data = np.concatenate([data for data, _ in read])
+        return data, FeatureMeta((rows, *first.shape[1:]), first.dtype)
 
     # -- the hint listener ---------------------------------------------------------------
     def _listen(self) -> None:

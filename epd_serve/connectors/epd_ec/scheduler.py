@@ -22,6 +22,12 @@ with no KV connector of ours), `has_cache_item` claims a copy that is here alrea
 the scheduling pass, and `update_state_after_alloc` hands it to the request; a feature
 not here by then is encoded locally (counted, logged), as no request can wait there.
 
+A video the proxy split into chunks (protocols/feature_chunks.py) is stored and read
+under the keys the proxy names for it in the request's `vllm_xargs` (an encoder: each
+chunk's own; prefill: its chunks', joined in order), rather than under vLLM's hash of
+it, which on vLLM 0.32 hashes in the engine's media kwargs, so no two roles would agree
+on it and the proxy could never look it up.
+
 Both (`ec_both`: an instance the proxy switches between encoder, prefill and decode by
 routing alone): a producer and a consumer at once, each part as above, for every
 request. A request it encodes for others (the proxy's E hop: the image, one output
@@ -56,6 +62,7 @@ from epd_serve.connectors.epd_ec.settings import Settings
 from epd_serve.connectors.epd_ec.stats import LoggedCounts, Recorder
 from epd_serve.mmstore import FeatureMeta, FeatureStore, open_store
 from epd_serve.protocols.encoder import EncoderParams
+from epd_serve.protocols.feature_chunks import VIDEO_KEYS_ARG, part_keys
 from epd_serve.protocols.params import ParamsError, from_dict, to_dict
 
 log = logging.getLogger("vllm.epd_serve.ec")
@@ -93,6 +100,8 @@ class ECStep(ECConnectorMetadata):
 
     loads: dict[str, Load] = field(default_factory=dict)  # mm_hash -> feature to load
     publish: dict[str, dict] = field(default_factory=dict)  # mm_hash -> placeholder metadata
+    # mm_hash -> the key to store it under, where the proxy named one (a video's chunk)
+    store_as: dict[str, str] = field(default_factory=dict)
 
 
 class EPDECScheduler:
@@ -117,6 +126,9 @@ class EPDECScheduler:
         # request id -> key -> the copy it holds (None: encoded here)
         self._decided: dict[str, dict[str, Feature | None]] = {}
         self._held: dict[str, Feature] = {}  # key -> a copy some request holds
+        # vLLM's hash of a feature -> the store key it was read under, where they differ
+        # (a video stored in chunks: protocols/feature_chunks.py)
+        self._aliases: dict[str, str] = {}
         # Copies has_cache_item promised this scheduling pass (where nothing asks
         # ensure_cache_available), until a request takes them over or the pass ends.
         self._claims: dict[str, Feature] = {}
@@ -125,6 +137,7 @@ class EPDECScheduler:
         self._to_fail: set[str] = set()  # failed, not yet handed to vLLM
         self._loads: dict[str, Load] = {}
         self._publish: dict[str, dict] = {}
+        self._store_as: dict[str, str] = {}
 
     # -- before scheduling ---------------------------------------------------------
     def ensure_cache_available(self, request, num_computed_tokens: int) -> bool:
@@ -140,6 +153,12 @@ class EPDECScheduler:
         if self.producer and req_id not in self._decided:
             items = collect_ec_item_metadata(request.mm_features, self.resolver)
             self._publish.update({key: item["metadata"] for key, item in items.items()})
+            for index, feature in enumerate(request.mm_features):
+                key = self._store_key(request, index)
+                # A chunk it encodes for others is stored under the chunk's key; a whole
+                # video it prefills is not stored (nothing reads a joined key whole).
+                if key != feature.identifier and part_keys(key) is None:
+                    self._store_as[feature.identifier] = key
         decided = self._decided.setdefault(req_id, {})
         if not self.consumer:
             return True
@@ -148,7 +167,7 @@ class EPDECScheduler:
             position = feature.mm_position
             if position.offset + position.length <= num_computed_tokens:
                 continue  # its tokens are computed already (prefix cache, received KV)
-            key = feature.identifier
+            key = self._store_key(request, index)
             if key in decided:
                 continue
             item = self.loader.want(key)
@@ -170,6 +189,23 @@ class EPDECScheduler:
                 self._fail(req_id, key, why)
                 return False
         return not waiting
+
+    def _store_key(self, request, index: int) -> str:
+        """The MM Store key of feature `index` of `request`: vLLM's hash of it, except
+        for a video whose chunks the proxy named (protocols/feature_chunks.py)."""
+        feature = request.mm_features[index]
+        if feature.modality != "video":
+            return feature.identifier
+        extra = getattr(getattr(request, "sampling_params", None), "extra_args", None) or {}
+        named = extra.get(VIDEO_KEYS_ARG)
+        position = sum(1 for f in request.mm_features[:index] if f.modality == "video")
+        if not isinstance(named, list) or position >= len(named) \
+                or not isinstance(named[position], str) or not named[position]:
+            return feature.identifier
+        key = named[position]
+        if key != feature.identifier:
+            self._aliases[feature.identifier] = key
+        return key
 
     def _unusable(self, item: Feature, num_embeds: int) -> str | None:
         """Why a finished read cannot stand for the feature (None: it can)."""
@@ -224,6 +260,8 @@ class EPDECScheduler:
             self.loader.release(item)
             if item.holders == 0 and self._held.get(key) is item:
                 del self._held[key]
+        if self._aliases:  # only those of copies still held are looked up again
+            self._aliases = {a: k for a, k in self._aliases.items() if k in self._held}
 
     def _carries_media(self, feature) -> bool:
         """True when the request holds what the encoder needs (pixels), not only the
@@ -236,6 +274,7 @@ class EPDECScheduler:
     def has_cache_item(self, identifier: str) -> bool:
         if not self.consumer:
             return False
+        identifier = self._aliases.get(identifier, identifier)
         if identifier in self._held or identifier in self._claims:
             return True
         if self._asked_first:
@@ -250,7 +289,7 @@ class EPDECScheduler:
     def update_state_after_alloc(self, request, index: int) -> None:
         if not self.consumer:
             return
-        key = request.mm_features[index].identifier
+        key = self._store_key(request, index)
         decided = self._decided.setdefault(request.request_id, {})
         if key not in decided and not self._asked_first:
             self._decide_when_scheduled(request, index, decided)
@@ -262,12 +301,14 @@ class EPDECScheduler:
         if item.hinted:  # a prefetch: hinted, then in memory here
             marks |= {"hinted": item.asked_at, "in memory": item.ready_at}
         trace = getattr(request, "trace_headers", None)
-        self._loads[key] = Load(data, meta, item.source, marks, dict(trace) if trace else None)
+        # Into vLLM's encoder cache under vLLM's own hash of the feature.
+        self._loads[request.mm_features[index].identifier] = Load(
+            data, meta, item.source, marks, dict(trace) if trace else None)
 
     def _decide_when_scheduled(self, request, index: int, decided: dict) -> None:
         """What became of a feature under a scheduler that never asked first: loaded
         if has_cache_item promised a copy, else vLLM runs the encoder for it."""
-        key = request.mm_features[index].identifier
+        key = self._store_key(request, index)
         item = self._claims.get(key) or self._held.get(key)
         if item is None:
             log.info("epd-ec %s was not in this instance when request %s was scheduled "
@@ -296,8 +337,8 @@ class EPDECScheduler:
         self._claims.clear()
         if self._logged is not None:
             self._logged.tick()
-        step = ECStep(loads=self._loads, publish=self._publish)
-        self._loads, self._publish = {}, {}
+        step = ECStep(loads=self._loads, publish=self._publish, store_as=self._store_as)
+        self._loads, self._publish, self._store_as = {}, {}, {}
         return step
 
     def take_unavailable_requests(self) -> set[str]:

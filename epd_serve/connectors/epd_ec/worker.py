@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 
 import torch
 
@@ -37,6 +38,9 @@ log = logging.getLogger("vllm.epd_serve.ec")
 # Pinned buffers a consumer takes in turn for its host-to-device copies. Each grows to
 # the largest feature it carried (a 110 MB video feature: 440 MB pinned at most).
 CONSUMER_STAGING_SLOTS = 4
+# Features seen by the scheduler and not saved yet whose metadata is kept (a few steps'
+# worth: far more than a step's encoder budget holds).
+PENDING_SAVES = 4096
 
 
 def _tp_rank() -> int:
@@ -68,7 +72,10 @@ class EPDECWorker:
         # Tensor-parallel ranks all hold the whole feature: one of them stores it, and
         # records a load's span.
         self.first_rank = _tp_rank() == 0
-        self._placeholders: dict[str, dict] = {}
+        # What the scheduler said of features to save, kept until they are saved: an
+        # item may be encoded steps after its request was first seen (encoder budget).
+        self._placeholders: OrderedDict[str, dict] = OrderedDict()
+        self._store_as: OrderedDict[str, str] = OrderedDict()  # mm_hash -> proxy's key
         self._store_away_until = 0.0
         # Pinned buffers for the copies between the device and the store's bytes (none
         # on the CPU, where a feature is used where it lies). A producer copies one
@@ -80,11 +87,12 @@ class EPDECWorker:
 
     # -- producer ----------------------------------------------------------------------
     def start_save_caches(self, step: ECStep, encoder_cache: dict[str, torch.Tensor]) -> None:
-        self._placeholders = dict(step.publish)
+        _remember(self._placeholders, step.publish)
+        _remember(self._store_as, step.store_as)
         # An item still in the encoder cache from an earlier request is not encoded
         # again, so save_caches will not fire for it: make sure the store has it.
         for key in step.publish:
-            if key in encoder_cache and self._lookup(key) is None:
+            if key in encoder_cache and self._lookup(self._store_as.get(key, key)) is None:
                 self.save(encoder_cache, key)
 
     def save(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str) -> None:
@@ -96,21 +104,22 @@ class EPDECWorker:
             self.recorder.count("not_saved")
             return
         data, meta = to_bytes(encoder_cache[mm_hash], self._staging)
-        meta = FeatureMeta(meta.shape, meta.dtype, self._placeholders.get(mm_hash, {}))
+        meta = FeatureMeta(meta.shape, meta.dtype, self._placeholders.pop(mm_hash, {}))
+        key = self._store_as.pop(mm_hash, mm_hash)
         start = time.perf_counter()
         try:
-            stored = self.store.put(mm_hash, data, meta)
+            stored = self.store.put(key, data, meta)
         except StoreError as err:
             self._store_away_until = time.monotonic() + STORE_RETRY_AFTER_S
             self.recorder.count("not_saved")
             log.warning("epd-ec could not store %s: %s (consumers will encode it; no puts "
-                        "for %gs)", mm_hash, err, STORE_RETRY_AFTER_S)
+                        "for %gs)", key, err, STORE_RETRY_AFTER_S)
             return
         seconds = time.perf_counter() - start
         if stored:
             self.recorder.put(data.nbytes, seconds)
             self.recorder.count("saved")
-            log.info("epd-ec saved mm_hash=%s bytes=%d put_ms=%.2f", mm_hash, data.nbytes,
+            log.info("epd-ec saved mm_hash=%s bytes=%d put_ms=%.2f", key, data.nbytes,
                      seconds * 1e3)
 
     def _lookup(self, key: str) -> FeatureMeta | None:
@@ -149,3 +158,11 @@ class EPDECWorker:
             self.spans.close()
         if self.store is not None:
             self.store.close()
+
+
+def _remember(kept: OrderedDict, new: dict) -> None:
+    """Add `new` to `kept`, dropping the oldest past PENDING_SAVES (features an ec_both
+    instance loaded rather than encoded are never saved, so never taken out)."""
+    kept.update(new)
+    while len(kept) > PENDING_SAVES:
+        kept.popitem(last=False)

@@ -177,9 +177,11 @@ def test_report_shows_the_breakdown(tmp_path):
 
     with (out / "summary.csv").open() as f:
         rows = list(csv.DictReader(f))
-    assert float(rows[1]["E p50 ms"]) == pytest.approx(12.3)
-    assert float(rows[1]["KV transfer p50 ms"]) == pytest.approx(0.5)
-    assert rows[2]["E p50 ms"] == ""
+    # Each run's row is followed by its modality's (all image requests here).
+    assert [r["deployment"] for r in rows[:2]] == ["E-P-D", "E-P-D [image]"]
+    assert float(rows[2]["E p50 ms"]) == pytest.approx(12.3)
+    assert float(rows[2]["KV transfer p50 ms"]) == pytest.approx(0.5)
+    assert rows[4]["E p50 ms"] == ""
 
     html = (out / "report.html").read_text()
     assert "Per stage" in html and "E-P-D @ 1.0 req/s" in html

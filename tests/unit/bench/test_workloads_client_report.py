@@ -141,7 +141,8 @@ def test_sweep_goodput_and_report_files(tmp_path):
     assert len(data["runs"]) == 4 and len(data["runs"][0]["requests"]) == 12
     html = (out / "report.html").read_text()
     assert "data:image/png;base64," in html and "fake (P-D)" in html
-    assert (out / "summary.csv").read_text().count("\n") == 5
+    # A header, then per run its row and its text and image rows.
+    assert (out / "summary.csv").read_text().count("\n") == 1 + 4 * 3
 
 
 def test_goodput_search_finds_the_knee():

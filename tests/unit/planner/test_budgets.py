@@ -114,3 +114,29 @@ def test_profiler_searches_budgets_against_the_engine_and_fits_its_costs():
     assert prof.measured["engine_flags"]["D"]["max_num_seqs"] == 36
     # A binary search, not a sweep: a handful of probes per stage.
     assert engine.calls["prefill"] <= 3 + 13 + 13 and engine.calls["decode"] <= 4 + 7
+
+
+class KnownVideoEngine(KnownEngine):
+    """KnownEngine that also takes videos: 2.5 ms of encoder work per frame, beyond the
+    chat request and its prompt's prefill (its encoder charges nothing per token)."""
+
+    def video_ms(self, frames, size):
+        self.calls.setdefault("videos", 0)
+        self.calls["videos"] += 1
+        tokens = -(-frames // 2) * (size // 28) ** 2
+        return 15.0 + 0.05 * (tokens + 10) + 2.5 * frames
+
+
+def test_profiler_measures_a_videos_cost_per_frame_when_asked():
+    base = make_profile(template_tokens=10)
+    slo = SLO(ttft_ms=410, tpot_ms=20)
+    without = profiler.measure(KnownVideoEngine(), base, slo, max_tokens=4096,
+                               max_images=32, max_seqs=64)
+    assert without.encoder.per_frame_ms == base.encoder.per_frame_ms  # not probed
+    engine = KnownVideoEngine()
+    prof = profiler.measure(engine, base, slo, max_tokens=4096, max_images=32, max_seqs=64,
+                            videos=True)
+    assert prof.encoder.per_token_ms == pytest.approx(0.0, abs=1e-6)
+    assert prof.encoder.per_frame_ms == pytest.approx(2.5, rel=1e-6)
+    assert engine.calls["videos"] == 2
+    assert [n for n, _, _ in prof.measured["points_ms"]["videos"]] == [8, 32]

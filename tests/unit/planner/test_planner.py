@@ -141,7 +141,8 @@ def test_simulate_command_and_bad_input(tmp_path, capsys):
                  "--workload", "visualwebinstruct", "--num-requests", "30", "--rates", "1,4",
                  "--out", str(tmp_path)]) == 0
     assert "report:" in capsys.readouterr().out
-    assert (tmp_path / "summary.csv").read_text().count("\n") == 3
+    # A header, then per rate the run's row and its text and image rows.
+    assert (tmp_path / "summary.csv").read_text().count("\n") == 1 + 2 * 3
     assert main(["plan", "--profile", "no-such-profile", "--rate", "1", "--devices", "2"]) == 2
     assert "no profile 'no-such-profile'" in capsys.readouterr().err
     assert main(["plan", "--profile", "h800-qwen3-vl-8b", "--devices", "2",

@@ -294,9 +294,16 @@ def test_too_many_images_is_counted_before_any_decoding():
 
 
 def test_every_kind_of_media_counts():
-    body = chat(*[{"type": "video_url", "video_url": "https://example.com/a.mp4"}] * 5)
+    body = chat(*[{"type": "video_url", "video_url": "https://example.com/a.mp4"}] * 3,
+                *[{"type": "audio_url", "audio_url": "https://example.com/a.wav"}] * 2)
     assert_error(refused(body, Limits(allow_remote_urls=True, max_media_parts=4)), 400,
                  "too_many_media", "5", "4")
+
+
+def test_videos_are_counted_on_their_own():
+    body = chat(*[{"type": "video_url", "video_url": "https://example.com/a.mp4"}] * 3)
+    assert_error(refused(body, Limits(allow_remote_urls=True, max_videos=2)), 400,
+                 "too_many_videos", "3", "2")
 
 
 @pytest.fixture
@@ -657,7 +664,7 @@ def test_downloads_wait_for_one_of_the_proxys_slots(slots):
         await fetcher.inline(items)
         assert all(item.url.startswith("data:video/mp4;base64,") for item in items)
         return server.most_sending
-    assert with_server(scenario, Limits(allow_remote_urls=True,
+    assert with_server(scenario, Limits(allow_remote_urls=True, max_videos=6,
                                         max_fetches_in_flight=slots)) == slots
 
 

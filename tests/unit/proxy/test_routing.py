@@ -344,11 +344,10 @@ def test_encoder_fan_out_keeps_images_on_their_own_encoders_under_weighted_affin
     t = table("e0:E", "e1:E")
     keys = [k for k in (f"image-{i}" for i in range(40))
             if rendezvous_order(t.instances, k)[0] == "e0"][:4]
-    images = SimpleNamespace(keys=keys)
+    images = SimpleNamespace(keys=keys, sizes=[1.0] * 4, is_chunk=lambda index: False)
 
     def encoders(policy) -> set[str]:
-        batches = Encoder(None, router(t, E=policy), batch=1).assign(images, [0, 1, 2, 3],
-                                                                     [1.0] * 4)
+        batches = Encoder(None, router(t, E=policy), batch=1).assign(images, [0, 1, 2, 3])
         return {order[0].name for order, _ in batches}
 
     assert encoders(MIXED) == {"e0"}

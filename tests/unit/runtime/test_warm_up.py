@@ -20,7 +20,7 @@ from epd_serve.cli.demo import show_requests
 from epd_serve.proxy import ProxyConfig, create_app
 from epd_serve.runtime import bringup
 from epd_serve.runtime.launcher import Launcher
-from epd_serve.runtime.progress import warm_up
+from epd_serve.runtime.progress import allows_videos, warm_up
 from epd_serve.runtime.supervision import LaunchError
 from epd_serve.testing.fake_server import ThreadedServer, create_fake_app
 
@@ -154,3 +154,22 @@ def test_the_demo_shows_an_instance_that_died_and_says_what_failed(tmp_path):
     assert "down or restarting" in shown  # pd0's row, once it died
     assert len(failures) == 3  # the first request was answered, the next three not
     assert all("pd0 [PD]" in f and "exit code: -4" in f for f in failures)
+
+
+def test_a_deployment_that_takes_videos_is_warmed_up_with_one_too(tmp_path):
+    dep = make_dep(tmp_path, "E-P-D",
+                   engine_args={"limit_mm_per_prompt": '{"image":4,"video":{"count":4}}'})
+    assert allows_videos(dep.config.engine_args)
+    assert not allows_videos({"limit_mm_per_prompt": '{"image":4,"video":0}'})
+    assert not allows_videos({})  # the model may take no video at all
+    launcher = Launcher(dep, FakeEnginePlatform(), on_event=lambda msg: None)
+    launcher.start()
+    try:
+        launcher.wait_healthy()
+        warm_up(dep, timeout=30)
+        e0 = next(l.url for l in dep.launches if l.name == "e0")
+        seen = httpx.get(e0 + "/_requests").json()
+    finally:
+        launcher.stop()
+    parts = [part for request in seen for part in request["body"]["messages"][0]["content"]]
+    assert any(part["type"] == "video_url" for part in parts), parts

@@ -1,6 +1,6 @@
 """A second proxy process in front of a running deployment's instances (and MM Store),
-configured as the deployment's own with some settings changed: what tests use to try a
-proxy setting without starting the engines again."""
+configured as the deployment's own with some settings changed: what tests and
+benchmarks use to try a proxy setting without starting the engines again."""
 
 from __future__ import annotations
 

@@ -1,0 +1,209 @@
+"""Videos in the proxy: what is accepted and refused before a frame is decoded, the
+frames every stage is sent, and a video's trip through fake E, P and D with a real
+shared-memory store (chunks encoded apart, named to prefill joined, skipped when
+stored)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+from types import SimpleNamespace
+
+import msgspec
+import numpy as np
+import pytest
+from PIL import Image
+
+from epd_serve.instances.payloads import chat_body
+from epd_serve.instances.videos import encode_video, make_frames, make_video, video_data_url
+from epd_serve.mmstore import FeatureMeta, open_store
+from epd_serve.protocols.feature_chunks import VIDEO_KEYS_ARG, joined_key
+from epd_serve.proxy.encoding import Encoder
+from epd_serve.proxy.errors import ProxyError
+from epd_serve.proxy.guards import CHAT_PATH, Limits
+from epd_serve.proxy.request import parse_request
+from epd_serve.proxy.tenancy import video_chunk_keys
+from epd_serve.proxy.video import decode_video, frame_list_url, sample_indices, split_chunks
+
+from .test_features import deployment, parts
+from .test_routing import MIXED, router, table
+
+LIMITS = Limits()
+
+
+def refused(url: str, limits: Limits = LIMITS) -> ProxyError:
+    with pytest.raises(ProxyError) as caught:
+        decode_video(url, limits)
+    return caught.value
+
+
+def frames_of(url: str) -> list[np.ndarray]:
+    payload = url.split(",", 1)[1]
+    return [np.asarray(Image.open(io.BytesIO(base64.b64decode(f)))) for f in payload.split(",")]
+
+
+# -- decoding --------------------------------------------------------------------------
+@pytest.mark.parametrize("container,codec", [("mp4", "libx264"), ("mp4", "mpeg4"),
+                                             ("webm", "libvpx-vp9"), ("avi", "mjpeg")])
+def test_a_video_becomes_its_frames_as_jpeg_whatever_its_container(container, codec):
+    source = make_frames(6, 64, 48, seed=1)
+    video = decode_video(video_data_url(encode_video(source, container=container,
+                                                     codec=codec), container), LIMITS)
+    assert (len(video.frames), video.width, video.height, video.source_frames) == \
+        (6, 64, 48, 6)
+    assert video.url.startswith("data:video/jpeg;base64,")
+    decoded = frames_of(video.url)
+    assert [f.shape for f in decoded] == [(48, 64, 3)] * 6
+    # The frames in order: each is closest to its own source frame.
+    for i, frame in enumerate(decoded):
+        errors = [np.abs(frame.astype(int) - s.astype(int)).mean() for s in source]
+        assert int(np.argmin(errors)) == i
+
+
+def test_a_long_video_is_sampled_evenly_down_to_the_limit():
+    video = decode_video(video_data_url(make_video(40, 32, 32, codec="mpeg4")),
+                         Limits(max_video_frames=8))
+    assert len(video.frames) == 8 and video.source_frames == 40
+    assert sample_indices(40, 8) == [0, 6, 11, 17, 22, 28, 33, 39]
+    assert sample_indices(5, 8) == [0, 1, 2, 3, 4]
+
+
+def test_the_same_video_gives_the_same_frames_every_time():
+    url = video_data_url(make_video(8, 64, 64, seed=3))
+    assert decode_video(url, LIMITS).url == decode_video(url, LIMITS).url
+
+
+def test_large_frames_are_shrunk_before_they_are_sent():
+    video = decode_video(video_data_url(make_video(2, 256, 128, codec="mpeg4")),
+                         Limits(video_frame_pixels=64 * 32))
+    assert (video.width, video.height) == (64, 32)
+    assert frames_of(video.url)[0].shape == (32, 64, 3)
+
+
+def test_a_clients_frame_list_is_checked_and_sent_as_ours():
+    frames = make_frames(3, 32, 32, seed=4)
+    jpegs = []
+    for pixels in frames:
+        buf = io.BytesIO()
+        Image.fromarray(pixels).save(buf, "PNG")
+        jpegs.append(base64.b64encode(buf.getvalue()).decode())
+    video = decode_video(frame_list_url(jpegs), LIMITS)
+    assert len(video.frames) == 3 and video.frames != jpegs  # re-encoded as JPEG
+    err = refused(frame_list_url([jpegs[0], "bm90IGFuIGltYWdl"]))
+    assert (err.status, err.reason) == (400, "undecodable_image")
+
+
+@pytest.mark.parametrize("data,limits,status,reason,words", [
+    (b"\x89PNG\r\n\x1a\n" + bytes(64), LIMITS, 400, "unsupported_video", "not a video"),
+    (b"\x00\x00\x00\x18ftypmp42" + os.urandom(2048), LIMITS, 400, "undecodable_video",
+     "not a readable video"),
+    ("too many", Limits(max_video_source_frames=10), 413, "too_many_frames", "more than 10"),
+    ("too many", Limits(max_video_seconds=1), 413, "video_too_long", "lasts 2 s"),
+    ("too many", Limits(max_video_frame_pixels=100), 413, "video_too_large", "16x16"),
+    ("too many", Limits(video_decode_timeout_s=1e-9), 400, "video_decode_timeout", "longer"),
+])
+def test_a_video_that_is_not_one_or_too_large_is_refused_with_the_reason(
+        data, limits, status, reason, words):
+    if data == "too many":
+        data = make_video(16, 16, 16, fps=8, codec="mpeg4")  # 2 s
+    err = refused(video_data_url(data), limits)
+    assert (err.status, err.reason) == (status, reason), err.message
+    assert words in err.message, err.message
+
+
+def test_a_codec_outside_the_list_is_refused_by_name():
+    data = encode_video(make_frames(2, 16, 16), container="matroska", codec="ffv1")
+    err = refused(video_data_url(data, "matroska"))
+    assert (err.status, err.reason) == (400, "unsupported_video")
+    assert "'ffv1'" in err.message
+
+
+def test_chunks_cover_the_frames_in_order():
+    assert split_chunks(9, 4) == ((0, 4), (4, 8), (8, 9))
+    assert split_chunks(4, 4) == ((0, 4),)
+
+
+# -- the request ----------------------------------------------------------------------
+def video_request(url: str, **extra) -> dict:
+    body = chat_body("fake", "what happens", max_tokens=2)
+    body["messages"][0]["content"] = [{"type": "video_url", "video_url": {"url": url}},
+                                      {"type": "text", "text": "what happens"}]
+    return {**body, **extra}
+
+
+def test_a_client_may_not_name_the_keys_prefill_reads_a_video_under():
+    body = video_request("data:video/mp4;base64,AAAA", vllm_xargs={VIDEO_KEYS_ARG: ["x.0"]})
+    with pytest.raises(ProxyError) as caught:
+        parse_request(msgspec.json.encode(body), CHAT_PATH, LIMITS)
+    assert caught.value.status == 400 and VIDEO_KEYS_ARG in caught.value.message
+
+
+def test_a_videos_chunks_are_spread_over_the_encoders_even_under_affinity():
+    t = table("e0:E", "e1:E")
+    work = SimpleNamespace(keys=[f"v.{i}" for i in range(8)], sizes=[1.0] * 8,
+                           is_chunk=lambda index: True)
+    batches = Encoder(None, router(t, E=MIXED), batch=2).assign(work, list(range(8)))
+    per_encoder = {}
+    for order, items in batches:
+        per_encoder.setdefault(order[0].name, []).extend(items)
+    assert sorted(len(items) for items in per_encoder.values()) == [4, 4]
+
+
+# -- through fake stages ---------------------------------------------------------------
+def test_a_video_is_encoded_in_chunks_and_prefill_is_named_them_joined(store_spec):
+    url = video_data_url(make_video(10, 32, 32, seed=5))
+    sent = decode_video(url, LIMITS).url
+    chunks = video_chunk_keys("fake", sent)
+    assert len(chunks) == 3  # 10 frames: 4 + 4 + 2
+    with deployment(store_spec) as (client, apps, hints):
+        resp = client.post("/v1/chat/completions", json=video_request(url))
+        assert resp.status_code == 200, resp.text
+        stages = resp.headers["x-epd-stages"]
+        assert stages.startswith("E=e0:") and stages.endswith("IMG=keyed"), stages
+        encoded = apps["e0"].state.requests
+        seen = [(p["uuid"], len(p["video_url"]["url"].split(",")) - 1)
+                for r in encoded for p in parts(r)]
+        assert sorted(seen) == sorted(zip(chunks, (4, 4, 2)))
+        for r in encoded:  # each encoder request names the key to store each chunk under
+            assert r["body"]["vllm_xargs"][VIDEO_KEYS_ARG] == [p["uuid"] for p in parts(r)]
+        for stage in ("p1", "d2"):
+            (request,) = apps[stage].state.requests
+            assert parts(request)[0]["video_url"]["url"] == sent
+            assert request["body"]["vllm_xargs"][VIDEO_KEYS_ARG] == [joined_key(chunks)]
+        assert hints.poll(2000)
+        assert msgspec.msgpack.decode(hints.recv()) == [joined_key(chunks)]
+
+
+def test_a_video_whose_chunks_the_store_holds_skips_the_encoder(store_spec):
+    url = video_data_url(make_video(6, 32, 32, seed=6))
+    chunks = video_chunk_keys("fake", decode_video(url, LIMITS).url)
+    with open_store(store_spec) as store:
+        for key in chunks:
+            store.put(key, np.zeros(64, np.uint8), FeatureMeta((4, 8), "bfloat16"))
+    with deployment(store_spec) as (client, apps, _):
+        resp = client.post("/v1/chat/completions", json=video_request(url))
+        assert resp.status_code == 200, resp.text
+        assert resp.headers["x-epd-stages"].startswith("E=store:")
+        assert apps["e0"].state.requests == []
+
+
+def test_a_video_with_one_chunk_stored_sends_only_the_others(store_spec):
+    url = video_data_url(make_video(8, 32, 32, seed=7))
+    chunks = video_chunk_keys("fake", decode_video(url, LIMITS).url)
+    with open_store(store_spec) as store:
+        store.put(chunks[0], np.zeros(64, np.uint8), FeatureMeta((4, 8), "bfloat16"))
+    with deployment(store_spec) as (client, apps, _):
+        resp = client.post("/v1/chat/completions", json=video_request(url))
+        assert resp.status_code == 200, resp.text
+        (encoded,) = apps["e0"].state.requests
+        assert [p["uuid"] for p in parts(encoded)] == chunks[1:]
+
+
+def test_a_bad_video_never_reaches_a_stage(store_spec):
+    with deployment(store_spec) as (client, apps, _):
+        resp = client.post("/v1/chat/completions", json=video_request(
+            "data:video/mp4;base64," + base64.b64encode(b"not a video").decode()))
+        assert resp.status_code == 400, resp.text
+        assert "not a video" in resp.json()["error"]["message"]
+        assert all(app.state.requests == [] for app in apps.values())
