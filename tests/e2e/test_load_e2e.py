@@ -45,7 +45,11 @@ def test_two_rate_sweep_on_e_p_d_writes_every_report_file(deployments, tmp_path)
         assert s["per_device"]["request_rate"] == run["rate"] / 3
         assert all(r["ok"] and r["input_tokens"] > 0 for r in run["requests"])
     rows = list(csv.DictReader((out / "summary.csv").open()))
-    assert [float(r["rate (req/s)"]) for r in rows] == [0.25, 0.5]
+    # Each run's row, then one per modality it held (tiny-mm: text and image).
+    runs = [r for r in rows if not r["deployment"].endswith("]")]
+    assert [float(r["rate (req/s)"]) for r in runs] == [0.25, 0.5]
+    kinds = {r["deployment"].rsplit(" [", 1)[1].rstrip("]") for r in rows if r not in runs}
+    assert "image" in kinds and kinds <= {"text", "image"}
     assert "data:image/png" in (out / "report.html").read_text()
 
 
