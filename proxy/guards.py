@@ -237,13 +237,14 @@ def base64_start(url: str, where: str) -> int:
     return comma + 1
 
 
-def decode_data_url(url: str, where: str, max_bytes: int) -> bytes:
-    """The bytes of a base64 data: URL, refused (413) past `max_bytes` before decoding."""
+def decode_data_url(url: str, where: str, max_bytes: int, kind: str = "image") -> bytes:
+    """The bytes of a base64 data: URL, refused (413) past `max_bytes` before decoding;
+    `kind`: what the refusal calls the media (image, video)."""
     payload = url[base64_start(url, where):]
     # The decoded size follows from the text's length: refuse before decoding anything.
     decoded_size = len(payload) * 3 // 4 - payload[-2:].count("=")
     if decoded_size > max_bytes:
-        raise _image_bytes_too_large(where, decoded_size, max_bytes)
+        raise _bytes_too_large(where, decoded_size, max_bytes, kind)
     try:
         # Strict, like vLLM's own decoding: no whitespace, no URL-safe alphabet, so
         # what passes here also decodes on the instances.
@@ -253,9 +254,9 @@ def decode_data_url(url: str, where: str, max_bytes: int) -> bytes:
                           "bad_base64") from None
 
 
-def _image_bytes_too_large(where: str, size: int, max_bytes: int) -> ProxyError:
-    return bad_request(f"{where}: the image is {size} bytes; this deployment accepts at "
-                       f"most {max_bytes} bytes per image", "image_too_large", status=413)
+def _bytes_too_large(where: str, size: int, max_bytes: int, kind: str = "image") -> ProxyError:
+    return bad_request(f"{where}: the {kind} is {size} bytes; this deployment accepts at "
+                       f"most {max_bytes} bytes per {kind}", f"{kind}_too_large", status=413)
 
 
 def check_image_bytes(raw: bytes, limits: Limits, where: str = "image") -> str:
@@ -271,7 +272,7 @@ def inspect_image(raw: bytes, limits: Limits, where: str = "image") -> tuple[str
     the file's structure (every chunk and checksum of a PNG) to catch corrupt data.
     """
     if len(raw) > limits.max_image_bytes:
-        raise _image_bytes_too_large(where, len(raw), limits.max_image_bytes)
+        raise _bytes_too_large(where, len(raw), limits.max_image_bytes)
     try:
         # Image.open reads only the header. Pillow itself raises DecompressionBombError
         # above 2 x Image.MAX_IMAGE_PIXELS (and warns above 1 x, a warning that turns

@@ -114,7 +114,7 @@ def decode_video(url: str, limits: Limits, where: str = "video") -> VideoFrames:
     deadline = time.monotonic() + limits.video_decode_timeout_s
     if url[5:5 + len(FRAME_LIST_MIME)].lower() == FRAME_LIST_MIME:
         return _from_frame_list(url, limits, where)
-    raw = decode_data_url(url, where, limits.max_media_bytes)
+    raw = decode_data_url(url, where, limits.max_media_bytes, "video")
     demuxer = next((name for sniff, name in _CONTAINERS if sniff(raw)), None)
     if demuxer is None:
         raise bad_request(f"{where}: not a video this deployment reads (MP4/QuickTime, "

@@ -112,6 +112,12 @@ def test_a_video_that_is_not_one_or_too_large_is_refused_with_the_reason(
     assert words in err.message, err.message
 
 
+def test_a_video_over_the_byte_limit_is_refused_as_a_video():
+    err = refused(video_data_url(make_video(8, 64, 64)), Limits(max_media_bytes=100))
+    assert (err.status, err.reason) == (413, "video_too_large")
+    assert "the video is" in err.message and "bytes per video" in err.message
+
+
 def test_a_codec_outside_the_list_is_refused_by_name():
     data = encode_video(make_frames(2, 16, 16), container="matroska", codec="ffv1")
     err = refused(video_data_url(data, "matroska"))
