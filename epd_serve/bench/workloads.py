@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from epd_serve.instances.payloads import chat_body, image_data_url, make_image
-from epd_serve.instances.videos import make_video, video_data_url, video_part
+from epd_serve.instances.videos import make_video, video_data_url
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
 
@@ -332,13 +332,7 @@ def build_bodies(specs: list[RequestSpec], model: str, ignore_eos: bool = True,
             urls.append(cache[ref])
         videos, images = urls[:len(spec.videos)], urls[len(spec.videos):]
         body = chat_body(model, spec.text, images, max_tokens=spec.max_tokens, stream=True,
-                         ignore_eos=ignore_eos)
-        if videos:  # chat_body builds image parts only: the videos go in front of them
-            message = body["messages"][0]
-            rest = message["content"]
-            if isinstance(rest, str):
-                rest = [{"type": "text", "text": rest}]
-            message["content"] = [video_part(url) for url in videos] + rest
+                         ignore_eos=ignore_eos, video_urls=videos)
         if progress:
             progress()
         yield json.dumps(body).encode()

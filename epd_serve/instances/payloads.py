@@ -28,9 +28,12 @@ def image_data_url(image: Image.Image, fmt: str = "JPEG") -> str:
 
 
 def chat_body(model: str, text: str, image_urls: list[str] = (), max_tokens: int = 16,
-              stream: bool = False, ignore_eos: bool = True) -> dict:
-    if image_urls:
+              stream: bool = False, ignore_eos: bool = True, video_urls: list[str] = ()) -> dict:
+    """A chat request: the videos, then the images, then the text."""
+    if image_urls or video_urls:
         content: list[dict] | str = [
+            {"type": "video_url", "video_url": {"url": url}} for url in video_urls
+        ] + [
             {"type": "image_url", "image_url": {"url": url}} for url in image_urls
         ] + [{"type": "text", "text": text}]
     else:

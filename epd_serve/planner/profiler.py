@@ -32,7 +32,7 @@ import numpy as np
 
 from epd_serve.bench.timings import SLO
 from epd_serve.instances.payloads import chat_body, image_data_url, make_image
-from epd_serve.instances.videos import make_video, video_data_url, video_part
+from epd_serve.instances.videos import make_video, video_data_url
 from epd_serve.planner import budgets
 from epd_serve.planner.profile import EncoderCost, LLMCost, Profile
 
@@ -198,10 +198,8 @@ class Prober:
         samples = []
         for _ in range(self.repeats):
             self._video_seed += 1
-            body = chat_body(self.model, "describe", max_tokens=1)
-            body["messages"][0]["content"] = [
-                video_part(video_data_url(make_video(frames, size, size, self._video_seed))),
-                {"type": "text", "text": "describe"}]
+            video = video_data_url(make_video(frames, size, size, self._video_seed))
+            body = chat_body(self.model, "describe", video_urls=[video], max_tokens=1)
 
             async def one(client, body=body):
                 start = time.monotonic()

@@ -15,7 +15,7 @@ from rich.live import Live
 from rich.table import Table
 
 from epd_serve.instances.payloads import chat_body, image_data_url, make_image
-from epd_serve.instances.videos import make_video, video_data_url, video_part
+from epd_serve.instances.videos import make_video, video_data_url
 from epd_serve.proxy.tenancy import own_key
 from epd_serve.proxy.upstream import error_message
 from epd_serve.runtime.child import log_tail
@@ -76,11 +76,8 @@ def warm_up(dep, timeout: float = 300.0) -> None:
     requests = [("text", chat_body(model, "warm up", max_tokens=2)),
                 ("image", chat_body(model, "warm up", [image], max_tokens=2))]
     if allows_videos(dep.config.engine_args):
-        video = chat_body(model, "warm up", max_tokens=2)
-        video["messages"][0]["content"] = [
-            video_part(video_data_url(make_video(8, 224, 224, seed=12345))),
-            {"type": "text", "text": "warm up"}]
-        requests.append(("video", video))
+        video = video_data_url(make_video(8, 224, 224, seed=12345))
+        requests.append(("video", chat_body(model, "warm up", video_urls=[video], max_tokens=2)))
     with httpx.Client(base_url=dep.proxy_url, timeout=timeout, headers=headers) as client:
         for kind, body in requests:
             before = instance_status(client, dep.proxy_url)
