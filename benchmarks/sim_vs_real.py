@@ -1,12 +1,16 @@
 """The simulator against the real thing on the CPU backend: the same requests at the
 same times, sent by the load tool to a running deployment and fed to the simulator
-with a measured profile. Prints TTFT/TPOT per deployment, rate and run, the
+with a measured profile (with --profile-first, a quick profile of this machine
+measured first on the same deployment files). Prints TTFT/TPOT per deployment, rate and run, the
 prediction error of each run and of all runs at a rate pooled, how far two real runs
 of the same setting are apart, and a summary line.
 
     scripts/in-netns.sh .venv/bin/python benchmarks/sim_vs_real.py \
         --profile cpu-tiny-qwen2-vl --configs configs/cpu/tp1.yaml configs/cpu/e-p-d.yaml \
-        --rates 0.5,1.0 --num-requests 60 --repeats 2
+        --rates 0.5,1.0 --num-requests 60 --repeats 2 [--profile-first]
+
+A profile from another machine predicts that machine: the run says so (and so does its
+report and summary line).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from epd_serve.runtime import bringup
 from epd_serve.bench import arrivals, runner
 from epd_serve.bench.timings import SLO, summarize
 from epd_serve.bench.report import write_report
-from epd_serve.planner import profile as profiles, simulator
+from epd_serve.planner import deployment_profile, profile as profiles, profiler, simulator
 METRICS = (("ttft_ms", "median"), ("ttft_ms", "avg"), ("tpot_ms", "median"), ("tpot_ms", "avg"))
 
 
@@ -38,11 +42,19 @@ def main() -> None:
     ap.add_argument("--workload", default="tiny-mm")
     ap.add_argument("--output-tokens", type=int, default=16)
     ap.add_argument("--out", default="results/sim_vs_real")
+    ap.add_argument("--profile-first", action="store_true",
+                    help="first measure a quick profile of this machine (epd-serve profile "
+                         "--quick) on the monolithic and the split file of --configs, and use it")
     args = ap.parse_args()
     console = Console(stderr=True)
-    prof = profiles.load(args.profile)
-    rates = [float(r) for r in args.rates.split(",")]
     slo = SLO(ttft_ms=2000, tpot_ms=200)
+    prof = profiles.load(args.profile)
+    if args.profile_first:
+        prof, _ = deployment_profile.quick(prof, slo, *_quick_configs(args.configs),
+                                           console=console)
+    other_machine, machine_line = profiles.machine_note(prof)
+    console.print(machine_line, style="bold yellow" if other_machine else None)
+    rates = [float(r) for r in args.rates.split(",")]
     rows, real_runs, sim_runs = [], [], []
     for path in args.configs:
         dep = bringup.load(path)
@@ -75,7 +87,8 @@ def main() -> None:
         finally:
             launcher.stop()
     out = Path(args.out)
-    write_report(real_runs + sim_runs, out, dataclasses.replace(spec, url=""))
+    write_report(real_runs + sim_runs, out, dataclasses.replace(spec, url=""),
+                 notes=[machine_line])
     (out / "errors.json").write_text(json.dumps(rows, indent=2))
     print(f"{'deployment':10s} {'rate':>5s} {'run':>4s} " + " ".join(
         f"{m}.{s} real/sim/err".rjust(34) for m, s in METRICS))
@@ -99,8 +112,22 @@ def main() -> None:
             if len(values) > 1:
                 spread = max(spread, (max(values) - min(values)) / float(np.mean(values)))
     print(f"report: {out}")
+    print(machine_line)
     print(f"summary: worst_pooled_median_error={worst:.3f} real_run_to_run_spread={spread:.3f} "
-          f"runs={len(rows) - len(pooled)}")
+          f"runs={len(rows) - len(pooled)} profile={prof.name} "
+          f"profile_machine={'other' if other_machine else 'this'}")
+
+
+def _quick_configs(paths: list[str]) -> tuple[str, str | None]:
+    """The file among `paths` whose engine costs a quick profile measures (one with a
+    monolithic instance) and the one whose hand-offs it measures (a split one)."""
+    plans = {path: bringup.load(path).plan for path in paths}
+    engine = next((p for p, plan in plans.items() if profiler.has_monolithic(plan)), None)
+    if engine is None:
+        raise SystemExit("--profile-first needs a file with a monolithic instance in --configs "
+                         "(e.g. configs/cpu/tp1.yaml)")
+    split = next((p for p, plan in plans.items() if profiler.splits_prefill_decode(plan)), None)
+    return engine, split
 
 
 def _row(label: str, rate: float, run: str, real: dict, sim: dict) -> dict:

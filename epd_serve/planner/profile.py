@@ -19,17 +19,22 @@ item of its own; a monolithic or prefill instance encodes it whole.
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Literal, NamedTuple
 
 import numpy as np
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from epd_serve.backends import PLATFORMS
 from epd_serve.bench.workloads import RequestSpec
+from epd_serve.planner.machine import Machine
 
 PROFILES_DIR = Path(__file__).parent / "profiles"
+# Where `epd-serve profile --quick` saves this machine's profiles, found by name before
+# the shipped ones (relative to the working directory, like .epd/models).
+LOCAL_PROFILES_ENV = "EPD_PROFILE_DIR"
 
 
 class _Strict(BaseModel):
@@ -188,7 +193,15 @@ class Profile(_Strict):
                          "iteration before its first token).")
     beta: float = Field(0.5, description="The same for prefill in the planner's throughput "
                         "estimate (paper 001, Algorithm 2).")
+    machine: Machine | None = Field(None, description="The machine the numbers describe: "
+                                    "measured on, or published about.")
     measured: dict | None = Field(None, description="Raw probe results, when measured.")
+    _origin: str = PrivateAttr("")
+
+    @property
+    def origin(self) -> str:
+        """Where it was read from: 'shipped', or its file."""
+        return self._origin
 
     # -- what a request asks of each stage ------------------------------------------
     def image_tokens(self, width: int, height: int) -> int:
@@ -284,27 +297,51 @@ def _size(ref) -> tuple[int, int]:
     return ref.width, ref.height
 
 
+def local_dir() -> Path:
+    return Path(os.environ.get(LOCAL_PROFILES_ENV) or ".epd/profiles")
+
+
 def load(name_or_path: str | Path) -> Profile:
-    """A profile file, or the name of a shipped one (see `shipped()`)."""
+    """A profile file, or a profile's name: this machine's (local_dir(), where
+    `epd-serve profile --quick` saves) before the shipped one (see `shipped()`)."""
     path = Path(name_or_path)
+    origin = str(path)
     if not path.is_file():
+        local = local_dir() / f"{name_or_path}.yaml"
         candidate = PROFILES_DIR / f"{name_or_path}.yaml"
-        if not candidate.is_file():
-            raise ValueError(f"no profile {name_or_path!r}: not a file, and the "
-                                    f"shipped ones are {', '.join(shipped())}")
-        path = candidate
+        if local.is_file():
+            path, origin = local, str(local)
+        elif candidate.is_file():
+            path, origin = candidate, "shipped"
+        else:
+            raise ValueError(f"no profile {name_or_path!r}: not a file, not in {local_dir()}, "
+                             f"and the shipped ones are {', '.join(shipped())}")
     try:
-        return Profile.model_validate(yaml.safe_load(path.read_text()))
+        profile = Profile.model_validate(yaml.safe_load(path.read_text()))
     except (ValueError, yaml.YAMLError) as err:
         raise ValueError(f"{path}: not a valid profile: {err}") from None
+    profile._origin = origin
+    return profile
 
 
 def save(profile: Profile, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(profile.model_dump(), sort_keys=False))
+    path.write_text(yaml.safe_dump(profile.model_dump(mode="json"), sort_keys=False))
     return path
 
 
 def shipped() -> list[str]:
     return sorted(p.stem for p in PROFILES_DIR.glob("*.yaml"))
+
+
+def machine_note(profile: Profile) -> tuple[bool, str]:
+    """(whether `profile` describes another machine than this one, the line saying
+    which machine it describes)."""
+    import datetime as dt
+
+    from epd_serve.planner import machine
+
+    return machine.profile_note(profile.name, profile.origin or "in memory", profile.machine,
+                                machine.this_machine(profile.platform),
+                                dt.datetime.now(dt.timezone.utc))

@@ -469,6 +469,11 @@ def _quantiles(samples: list[float]) -> list[float]:
     return [round(float(q), 2) for q in np.percentile(samples, np.linspace(0, 100, 21))]
 
 
+def has_monolithic(plan) -> bool:
+    """Whether an instance of the plan runs every stage (where engine costs are measured)."""
+    return any(set(i.roles) == set("EPD") for i in plan.instances)
+
+
 def splits_prefill_decode(plan) -> bool:
     return any("P" in i.roles and "D" not in i.roles for i in plan.instances)
 

