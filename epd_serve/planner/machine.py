@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -174,13 +173,12 @@ def this_machine(platform: str | None = None, engine_python: str | None = None) 
     """This machine now; the engine versions of `platform`'s packages in the engines'
     interpreter (default: this one)."""
     from epd_serve.backends.cpu import amx
-    from epd_serve.runtime.preflight_machine import cpu_model, read_cpuinfo
+    from epd_serve.runtime.preflight_machine import cpu_model, read_cpuinfo, usable_cores
 
     cpuinfo = read_cpuinfo()
     accelerators = _accelerators()
     found = Machine(cpu=cpu_model(cpuinfo) or None, cpu_id=cpu_identity(cpuinfo),
-                    cpus=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                    else os.cpu_count(),
+                    cpus=usable_cores(),
                     cpu_features=sorted(f for f in SPEED_FEATURES if f in amx.cpu_flags(cpuinfo)),
                     accelerator=accelerators[0] if accelerators else None,
                     accelerators=len(accelerators),

@@ -232,6 +232,11 @@ def rdma_settings_row(env: Mapping[str, str], kv: tuple[str, str, int | None]) -
 
 
 # -- readers of the real facts -----------------------------------------------------
+def usable_cores() -> int | None:
+    """The CPUs this process may run on (its affinity where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
 def read_cpuinfo() -> str:
     try:
         return Path("/proc/cpuinfo").read_text()
@@ -280,7 +285,7 @@ def machine_rows(engine_on_cpu: bool) -> list[Row]:
     cpuinfo = read_cpuinfo()
     flags = amx.cpu_flags(cpuinfo)
     machine = host_platform.machine()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = usable_cores()
     interfaces = network_interfaces()
     method, probe_ok, detail = probe_netns()
     return [
