@@ -27,7 +27,7 @@ from epd_serve.bench import waterfall as timeline_view
 from epd_serve.cli.demo import traced_request
 from epd_serve.instances.counters import parse_prometheus
 from epd_serve.instances.payloads import chat_body, image_data_url, make_image
-from epd_serve.instances.videos import make_video, video_data_url, video_part
+from epd_serve.instances.videos import make_video, video_data_url
 from epd_serve.mmstore import FeatureMeta, open_store
 from epd_serve.protocols.feature_chunks import joined_key
 from epd_serve.proxy.guards import Limits
@@ -301,9 +301,7 @@ def video_body(dep, frames: int, seed: int) -> tuple[dict, str]:
     every stage for it (the same decoding and sampling: proxy/video.py)."""
     url = video_data_url(make_video(frames, 224, 224, seed=seed))
     body = chat_body(dep.launches[0].served_model_name, "What happens in the video?",
-                     max_tokens=MAX_TOKENS)
-    body["messages"][0]["content"] = [video_part(url),
-                                      {"type": "text", "text": "What happens in the video?"}]
+                     max_tokens=MAX_TOKENS, video_urls=[url])
     body.update({"temperature": 0, "logprobs": True})
     return body, decode_video(url, Limits()).url
 
@@ -325,9 +323,10 @@ def test_a_video_is_encoded_on_e_in_chunks_and_answered_as_one_instance_answers_
         # The prefill instance alone is a whole engine: sent the same frames, it
         # encodes the video itself.
         p_url = next(l.url for l in dep.launches if l.name == p)
-        alone = client.post(p_url + "/v1/chat/completions",
-                            json={**body, "messages": [{"role": "user", "content": [
-                                video_part(sent), body["messages"][0]["content"][1]]}]})
+        alone = client.post(p_url + "/v1/chat/completions", json={
+            **body, "messages": chat_body(dep.launches[0].served_model_name,
+                                          "What happens in the video?",
+                                          video_urls=[sent])["messages"]})
     assert split.status_code == alone.status_code == 200, split.text
     assert split.headers["x-epd-stages"].startswith(f"E={e}:")
     assert split.headers["x-epd-stages"].endswith("IMG=keyed")

@@ -20,7 +20,7 @@ import torch
 
 from epd_serve.instances.counters import snapshot
 from epd_serve.instances.payloads import chat_body, image_data_url, make_image
-from epd_serve.instances.videos import make_video, video_data_url, video_part
+from epd_serve.instances.videos import make_video, video_data_url
 from epd_serve.mmstore import open_store
 from epd_serve.proxy.guards import Limits
 from epd_serve.proxy.routing import rendezvous
@@ -90,8 +90,7 @@ def test_four_images_are_encoded_on_both_encoders_at_once(dep):
 
 
 def video_request(dep, url: str) -> dict:
-    body = chat_body(model(dep), "What happens?", max_tokens=MAX_TOKENS)
-    body["messages"][0]["content"] = [video_part(url), {"type": "text", "text": "What happens?"}]
+    body = chat_body(model(dep), "What happens?", max_tokens=MAX_TOKENS, video_urls=[url])
     return {**body, "temperature": 0, "logprobs": True}
 
 
