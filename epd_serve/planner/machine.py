@@ -93,11 +93,13 @@ def differences(theirs: Machine, ours: Machine) -> list[str]:
 
 
 def unrecorded(theirs: Machine, ours: Machine) -> list[str]:
-    """The CPU facts this machine has that the profile's record lacks: without them the
-    two cannot be told apart (a virtual machine names many CPU generations alike)."""
-    return [name for name, field in (("CPU model", "cpu"), ("CPU identity", "cpu_id"),
-                                     ("CPU count", "cpus"), ("CPU features", "cpu_features"))
-            if getattr(theirs, field) is None and getattr(ours, field) is not None]
+    """The CPU facts and engine versions this machine has that the profile's record
+    lacks: without them the two cannot be told apart (a virtual machine names many CPU
+    generations alike)."""
+    lacking = [name for name, field in (("CPU model", "cpu"), ("CPU identity", "cpu_id"),
+                                        ("CPU count", "cpus"), ("CPU features", "cpu_features"))
+               if getattr(theirs, field) is None and getattr(ours, field) is not None]
+    return lacking + (["engine versions"] if ours.engines and not theirs.engines else [])
 
 
 def age_text(then: dt.datetime, now: dt.datetime) -> str:
@@ -198,7 +200,9 @@ def engine_versions(packages, python: str | None = None) -> dict[str, str]:
         done = subprocess.run([python or sys.executable, "-c", script, *packages],
                               capture_output=True, text=True, timeout=60, check=True)
         return json.loads(done.stdout)
-    except (OSError, subprocess.SubprocessError, ValueError):
+    except (OSError, subprocess.SubprocessError, ValueError) as err:
+        print(f"note: the engine versions in {python or sys.executable} could not be read "
+              f"({err}): the profile records none", file=sys.stderr)
         return {}
 
 
@@ -210,9 +214,11 @@ def _accelerators() -> list[str]:
             try:
                 done = subprocess.run([tool, *args], capture_output=True, text=True, timeout=30,
                                       check=False)
-            except (OSError, subprocess.SubprocessError):
+            except (OSError, subprocess.SubprocessError) as err:
+                print(f"note: {tool} did not run ({err})", file=sys.stderr)
                 continue
             if done.returncode == 0 and parse(done.stdout):
                 return parse(done.stdout)
-    davinci = [p for p in Path("/dev").glob("davinci[0-9]*")]
-    return ["Ascend NPU"] * len(davinci)
+            print(f"note: {tool} found no device (exit {done.returncode}: "
+                  f"{done.stderr.strip()[:200]})", file=sys.stderr)
+    return ["Ascend NPU"] * len(list(Path("/dev").glob("davinci[0-9]*")))

