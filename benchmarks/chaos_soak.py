@@ -9,14 +9,23 @@ seeded) one fault strikes, each kind once in a random order before any comes aga
   SIGSTOP of an instance for 20 s, then SIGCONT;
   the store filled past its capacity with other features;
   the store server restarted (SIGTERM; the launcher starts it again).
-Each request records its status, latency and whether the answer equals the reference.
-The launcher supervises the deployment as `epd-serve up` does; every restart it made
-that no fault explains is an engine crash. Ends with a plot of latency over time with
-the faults marked, and one line:
+Each request records its status, latency and whether its answer is the reference's:
+the same tokens and top-5 log-probs (epd_serve.instances.answers), never the text alone.
+So that this judge is seen to see a wrong answer, canaries go in among the load, each
+made wrong on purpose (epd_serve.testing.corruption; the deployment runs with
+`fault_injection: true`): an image whose stored feature is another image's, a prompt
+whose KV reaches decode with one block unwritten, and an answer judged against another
+request's reference. A canary whose corruption could not take effect (a fault struck
+it: the feature was evicted and encoded again, the transfer failed and decode
+recomputed) is void, not counted. The launcher supervises the deployment as
+`epd-serve up` does; every restart it made that no fault explains is an engine crash.
+Ends with a plot of latency over time with the faults marked, and one line:
 
-  summary: served=<pct> wrong=<n> hung=<n> engine_crashes=<n> p99_ms=<x>
+  summary: faults=<n> detect=<pct> served=<pct> wrong=<n> hung=<n> engine_crashes=<n> p99_ms=<x>
 
-(`hung`: requests that took over 30 s; `served`: answered 200.)
+(`faults`: injected, listed by kind above it; `detect`: the share of the canaries that
+took effect which the judge called wrong, goal 100; `hung`: requests that took over
+30 s; `served`: answered 200; canaries count only in `detect`.)
 
     scripts/in-netns.sh .venv/bin/python benchmarks/chaos_soak.py configs/cpu/e-p-d.yaml
 """
@@ -40,15 +49,20 @@ import httpx
 import numpy as np
 from rich.progress import Progress
 
+from epd_serve.instances.answers import Fingerprint, ask_for_fingerprint, compare, fingerprint
 from epd_serve.instances.payloads import chat_body, image_data_url, make_image
-from epd_serve.mmstore import FeatureMeta, open_store
+from epd_serve.mmstore import FeatureMeta, StoreError, open_store
 from epd_serve.runtime import bringup
+from epd_serve.testing.corruption import SKIP_KV_BLOCK, plant_foreign_feature, remove_feature
 
 REPO = Path(__file__).resolve().parents[1]
 HUNG_S = 30.0
 STOP_FOR_S = 20.0
 FAULTS = ("kill E", "kill P", "kill D", "kill store", "stop instance", "fill store",
           "restart store")
+CANARIES = ("foreign feature", "lost KV block", "crossed answers")
+CANARY_EVERY_S = 10.0
+IMAGE_SIDE = 336
 
 
 @dataclass
@@ -58,6 +72,27 @@ class Outcome:
     status: int | str
     latency_s: float
     right: bool | None  # None: no answer to judge
+    verdict: str = ""  # same, tied (both right) or different
+
+
+@dataclass
+class CanaryRequest:
+    """One request made wrong on purpose, and the body that gets the right answer."""
+
+    kind: str
+    body: dict  # what the reference instance is sent
+    donor: dict | None = None  # foreign feature: the image whose feature is planted
+    victim_url: str = ""
+    want: Fingerprint = ()  # the right answer, from the reference instance
+
+
+@dataclass
+class Canary:
+    kind: str
+    at: float  # seconds since the load began
+    applied: bool  # the corruption took effect: the answer is wrong
+    flagged: bool | None  # the judge called it wrong; None: no answer to judge
+    detail: str = ""
 
 
 @dataclass
@@ -73,39 +108,62 @@ class Soak:
     outcomes: list[Outcome] = field(default_factory=list)
     faults: list[Fault] = field(default_factory=list)
     kills: dict[str, int] = field(default_factory=dict)  # child -> times we killed it
+    canaries: list[Canary] = field(default_factory=list)
+    last_served: tuple[int, Fingerprint] | None = None  # a pool answer, for crossing
 
 
-# -- the request pool and its reference answers -------------------------------------------
+# -- the request pool, the canaries and their reference answers ---------------------------
 def request_pool(model: str, size: int, max_tokens: int) -> list[dict]:
     """`size` requests, half text, half one image; images repeat (a quarter of the pool
-    is distinct images), as hot images do."""
-    images = [image_data_url(make_image(336, 336, seed=7000 + i)) for i in range(size // 4 + 1)]
+    is distinct images), as hot images do. Greedy, each asking for its fingerprint."""
+    images = [image_data_url(make_image(IMAGE_SIDE, IMAGE_SIDE, seed=7000 + i))
+              for i in range(size // 4 + 1)]
     pool = []
     for i in range(size):
         urls = [images[(i // 2) % len(images)]] if i % 2 else []
         body = chat_body(model, f"Chaos request {i}: say something.", urls,
                          max_tokens=max_tokens)
-        body["temperature"] = 0.0  # greedy: one right answer per request
-        pool.append(body)
+        pool.append(ask_for_fingerprint({**body, "temperature": 0.0}))
     return pool
 
 
-def answer_of(resp: httpx.Response) -> str:
-    return resp.json()["choices"][0]["message"]["content"]
+def canary_pool(model: str, count: int, max_tokens: int) -> list[CanaryRequest]:
+    """`count` canaries, the kinds in turn. Each has images and a prompt of its own: a
+    corruption never reaches a request of the pool, nor another canary."""
+    def greedy(text: str, urls: list[str] = ()) -> dict:
+        body = chat_body(model, text, urls, max_tokens=max_tokens)
+        return ask_for_fingerprint({**body, "temperature": 0.0})
+
+    canaries = []
+    for i in range(count):
+        kind = CANARIES[i % len(CANARIES)]
+        if kind == "foreign feature":
+            donor, victim = (image_data_url(make_image(IMAGE_SIDE, IMAGE_SIDE,
+                                                       seed=90000 + 2 * i + k)) for k in (0, 1))
+            canaries.append(CanaryRequest(kind, greedy(f"Canary {i}: what is in it?", [victim]),
+                                          donor=greedy(f"Canary {i}: donor.", [donor]),
+                                          victim_url=victim))
+        elif kind == "lost KV block":
+            # Long enough for several KV blocks; its own from the first token on, so the
+            # block decode keeps unwritten holds nothing another prompt shares.
+            canaries.append(CanaryRequest(kind, greedy(f"Canary {i}: " + "count the stars " * 60)))
+        else:
+            canaries.append(CanaryRequest(kind, {}))  # judged on a pool answer
+    return canaries
 
 
-def reference_answers(pool: list[dict], work: Path) -> list[str]:
+def reference_answers(bodies: list[dict], work: Path) -> list[Fingerprint]:
     """Each request answered by one monolithic instance of the same model."""
     dep = bringup.load(REPO / "configs" / "cpu" / "tp1.yaml", work_dir=str(work / "tp1"))
     launcher = bringup.bring_up(dep)
     try:
         with httpx.Client(timeout=300) as client:
             answers = []
-            for body in pool:
+            for body in bodies:
                 resp = client.post(dep.proxy_url + "/v1/chat/completions",
                                    json={**body, "model": dep.launches[0].served_model_name})
                 resp.raise_for_status()
-                answers.append(answer_of(resp))
+                answers.append(fingerprint(resp.json()))
             return answers
     finally:
         launcher.stop()
@@ -184,10 +242,83 @@ async def inject_faults(launcher, soak: Soak, until: float, start: float, seed: 
         await asyncio.to_thread(strike, launcher, soak, deck.pop(), rng, now - start)
 
 
-# -- load -----------------------------------------------------------------------------------
-async def load(dep, pool: list[dict], answers: list[str], rate: float, seconds: float,
-               soak: Soak, launcher, seed: int) -> None:
+# -- canaries -------------------------------------------------------------------------------
+async def post(client: httpx.AsyncClient, dep, body: dict) -> httpx.Response:
+    return await client.post(dep.proxy_url + "/v1/chat/completions",
+                             json={**body, "model": dep.launches[0].served_model_name})
+
+
+async def foreign_feature(client, dep, canary: CanaryRequest) -> tuple[httpx.Response | None, str]:
+    """The donor sent (its feature stored), planted under the victim's key, the victim
+    sent; the answer and whether the corruption took effect ("" if so, else why not)."""
+    donor = await post(client, dep, canary.donor)
+    if donor.status_code != 200:
+        return None, f"the donor got {donor.status_code}"
     model = dep.launches[0].served_model_name
+    try:
+        key = await asyncio.to_thread(plant_foreign_feature, dep.mm_store, model,
+                                      canary.victim_url, canary.donor["messages"][0]["content"][0]
+                                      ["image_url"]["url"])
+    except (LookupError, RuntimeError, StoreError) as err:
+        return None, f"not planted: {err}"
+    try:
+        resp = await post(client, dep, canary.body)
+    finally:
+        await asyncio.to_thread(remove_feature, dep.mm_store, key)
+    stages = resp.headers.get("x-epd-stages", "")
+    # Prefill (or decode standing in for it) took "its" feature from the store by
+    # reference, or the plant did not hold (evicted: encoded again; the store gone:
+    # recomputed from the pixels).
+    took = stages.startswith("E=store") and "IMG=ref" in stages.split(";")
+    return resp, "" if took else f"the planted feature was not used ({stages})"
+
+
+async def lost_kv_block(client, dep, canary: CanaryRequest) -> tuple[httpx.Response | None, str]:
+    resp = await post(client, dep, {**canary.body, "kv_transfer_params": SKIP_KV_BLOCK})
+    stages = resp.headers.get("x-epd-stages", "")
+    took = "KV=done" in stages and "FALLBACK" not in stages
+    return resp, "" if took else f"the KV did not come by the transfer ({stages})"
+
+
+async def one_canary(client, dep, soak: Soak, canary: CanaryRequest,
+                     pool_answers: list[Fingerprint], at: float) -> None:
+    """Send one canary (or, for crossed answers, take the last served pool answer) and
+    judge it against the reference of what it was meant to answer."""
+    if canary.kind == "crossed answers":
+        if soak.last_served is None:
+            soak.canaries.append(Canary(canary.kind, at, False, None, "nothing served yet"))
+            return
+        index, got = soak.last_served
+        other = (index + 1) % len(pool_answers)  # another request's right answer
+        flagged = not compare(got, pool_answers[other]).agrees
+        soak.canaries.append(Canary(canary.kind, at, True, flagged, f"{index} as {other}"))
+        return
+    send = foreign_feature if canary.kind == "foreign feature" else lost_kv_block
+    try:
+        resp, void = await send(client, dep, canary)
+    except httpx.HTTPError as err:
+        resp, void = None, type(err).__name__
+    if resp is None or resp.status_code != 200:
+        why = void or f"answered {resp.status_code}"
+        soak.canaries.append(Canary(canary.kind, at, False, None, why))
+        return
+    flagged = not compare(fingerprint(resp.json()), canary.want).agrees
+    soak.canaries.append(Canary(canary.kind, at, not void, flagged, void))
+
+
+async def send_canaries(client, dep, soak: Soak, canaries: list[CanaryRequest],
+                        pool_answers: list[Fingerprint], start: float, until: float) -> None:
+    for canary in canaries:
+        await asyncio.sleep(CANARY_EVERY_S)
+        if time.monotonic() >= until:
+            return
+        await one_canary(client, dep, soak, canary, pool_answers, time.monotonic() - start)
+
+
+# -- load -----------------------------------------------------------------------------------
+async def load(dep, pool: list[dict], pool_answers: list[Fingerprint],
+               canaries: list[CanaryRequest], rate: float, seconds: float, soak: Soak,
+               launcher, seed: int) -> None:
     start = time.monotonic()
     until = start + seconds
     total = int(seconds * rate)
@@ -197,26 +328,32 @@ async def load(dep, pool: list[dict], answers: list[str], rate: float, seconds: 
     async def one(client: httpx.AsyncClient, index: int) -> None:
         sent = time.monotonic()
         status: int | str
-        right = None
+        right, verdict = None, ""
         try:
-            resp = await client.post(dep.proxy_url + "/v1/chat/completions",
-                                     json={**pool[index], "model": model})
+            resp = await post(client, dep, pool[index])
             status = resp.status_code
             if status == 200:
-                right = answer_of(resp) == answers[index]
+                got = fingerprint(resp.json())
+                judged = compare(got, pool_answers[index])
+                right, verdict = judged.agrees, judged.verdict.value
+                soak.last_served = (index, got)
         except httpx.HTTPError as err:
             status = type(err).__name__
-        soak.outcomes.append(Outcome(index, sent - start, status, time.monotonic() - sent, right))
+        soak.outcomes.append(Outcome(index, sent - start, status, time.monotonic() - sent,
+                                     right, verdict))
         progress.advance(task)
 
     with Progress() as progress:
         task = progress.add_task(f"{total} requests at {rate:g}/s with faults", total=total)
         async with httpx.AsyncClient(timeout=180, limits=httpx.Limits(max_connections=None)) as client:
+            canaried = asyncio.create_task(send_canaries(client, dep, soak, canaries,
+                                                         pool_answers, start, until))
             running = []
             for n in range(total):
                 await asyncio.sleep(max(0.0, start + n / rate - time.monotonic()))
                 running.append(asyncio.create_task(one(client, rng.randrange(len(pool)))))
             await asyncio.gather(*running)
+            canaried.cancel()
     faults.cancel()
 
 
@@ -236,7 +373,18 @@ def summarize(soak: Soak, launcher) -> dict:
     crashes = {name: count - soak.kills.get(name, 0) for name, count in restarts.items()
                if count > soak.kills.get(name, 0)}
     latencies = sorted(o.latency_s for o in soak.outcomes if o.status == 200)
+    applied = [c for c in soak.canaries if c.applied]
+    by_kind = {kind: {"sent": sum(1 for c in soak.canaries if c.kind == kind),
+                      "applied": sum(1 for c in applied if c.kind == kind),
+                      "flagged": sum(1 for c in applied if c.kind == kind and c.flagged)}
+               for kind in CANARIES}
+    faults = {kind: sum(1 for f in soak.faults if f.kind == kind)
+              for kind in dict.fromkeys(f.kind for f in soak.faults)}
     return {"requests": n, "served_pct": 100.0 * served / max(n, 1), "wrong": wrong,
+            "tied": sum(1 for o in soak.outcomes if o.verdict == "tied"),
+            "faults": len(soak.faults), "faults_by_kind": faults,
+            "detect_pct": 100.0 * sum(1 for c in applied if c.flagged) / len(applied)
+            if applied else float("nan"), "canaries": by_kind,
             "hung": hung, "engine_crashes": sum(crashes.values()), "crashed": crashes,
             "restarts": restarts, "kills": soak.kills,
             "p99_ms": 1e3 * float(np.percentile(latencies, 99)) if latencies else float("nan"),
@@ -284,11 +432,18 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    dep = bringup.load(args.config, work_dir=str(out / "work"))
-    pool = request_pool(dep.launches[0].served_model_name, args.pool, args.max_tokens)
-    print(f"reference answers of {len(pool)} requests from one monolithic instance ...",
-          file=sys.stderr)
-    answers = reference_answers(pool, out)
+    # Fault injection: the canaries' lost KV block (no shipped file turns it on).
+    dep = bringup.load(args.config, work_dir=str(out / "work"), fault_injection=True)
+    model = dep.launches[0].served_model_name
+    pool = request_pool(model, args.pool, args.max_tokens)
+    canaries = canary_pool(model, int(args.minutes * 60 / CANARY_EVERY_S), args.max_tokens)
+    sent = [c for c in canaries if c.body]
+    print(f"reference answers of {len(pool)} requests and {len(sent)} canaries from one "
+          "monolithic instance ...", file=sys.stderr)
+    answers = reference_answers(pool + [c.body for c in sent], out)
+    pool_answers = answers[:len(pool)]
+    for canary, want in zip(sent, answers[len(pool):]):
+        canary.want = want
 
     launcher = bringup.bring_up(dep)
     stop = threading.Event()
@@ -296,8 +451,8 @@ def main() -> None:
     supervisor.start()
     soak = Soak()
     try:
-        asyncio.run(load(dep, pool, answers, args.rate, args.minutes * 60, soak, launcher,
-                         args.seed))
+        asyncio.run(load(dep, pool, pool_answers, canaries, args.rate, args.minutes * 60, soak,
+                         launcher, args.seed))
     finally:
         stop.set()
         supervisor.join(timeout=10)
@@ -306,14 +461,25 @@ def main() -> None:
     name = Path(args.config).stem
     (out / f"{name}.json").write_text(json.dumps(
         {"summary": summary, "faults": [asdict(f) for f in soak.faults],
+         "canaries": [asdict(c) for c in soak.canaries],
          "outcomes": [asdict(o) for o in soak.outcomes]}, indent=1))
     plot(soak, out / f"{name}.png", f"chaos soak: {dep.plan.to_notation()}, "
          f"{args.rate:g} req/s, {args.minutes:g} min")
     print(f"faults: {len(soak.faults)}: " + ", ".join(f"{f.kind} {f.target}" for f in soak.faults))
-    print(f"statuses: {summary['statuses']}; restarts: {summary['restarts']}; "
-          f"kills: {summary['kills']}; unexplained exits: {summary['crashed']}")
+    print("faults by kind: " + ", ".join(f"{k} {n}" for k, n in summary["faults_by_kind"].items()))
+    print("canaries (sent / took effect / called wrong): " + ", ".join(
+        f"{kind} {c['sent']}/{c['applied']}/{c['flagged']}"
+        for kind, c in summary["canaries"].items()))
+    for canary in soak.canaries:
+        if not canary.applied or not canary.flagged:
+            print(f"  canary {canary.kind} at {canary.at:.0f}s: "
+                  f"{'MISSED' if canary.applied else 'void'} {canary.detail}")
+    print(f"statuses: {summary['statuses']}; answers tied (both right): {summary['tied']}; "
+          f"restarts: {summary['restarts']}; kills: {summary['kills']}; "
+          f"unexplained exits: {summary['crashed']}")
     print(f"plot: {out / (name + '.png')}")
-    print(f"summary: served={summary['served_pct']:.2f} wrong={summary['wrong']} "
+    print(f"summary: faults={summary['faults']} detect={summary['detect_pct']:.1f} "
+          f"served={summary['served_pct']:.2f} wrong={summary['wrong']} "
           f"hung={summary['hung']} engine_crashes={summary['engine_crashes']} "
           f"p99_ms={summary['p99_ms']:.0f}")
 

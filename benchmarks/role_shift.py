@@ -9,7 +9,8 @@ from text-only with long answers (decode-heavy) to two images each with short on
 roles are put back as they started. Per run and phase (before / after the shift): TTFT,
 TPOT and E2EL p50/p90 and SLO attainment; every switch with its time from decision to
 serving; requests lost (no 200) and answers that differ from one instance alone
-(greedy: a full engine given no hand-off parameters is a monolithic one). Then the
+(greedy: a full engine given no hand-off parameters is a monolithic one; compared by
+tokens and top-5 log-probs, epd_serve.instances.answers). Then the
 planner's simulator's prediction for the CPU profile, and one summary line.
 
 Run it in a loopback-only network namespace (Mooncake listens everywhere):
@@ -32,6 +33,12 @@ import aiohttp
 import httpx
 import numpy as np
 
+from epd_serve.instances.answers import (
+    ask_for_fingerprint,
+    compare,
+    fingerprint,
+    fingerprint_of_stream,
+)
 from epd_serve.instances.payloads import chat_body, image_data_url, make_image
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,7 +50,8 @@ SLO_TTFT_S, SLO_TPOT_S = 2.0, 0.2  # the CPU profile's
 
 
 def requests_for(scenario: str, n: int, model: str) -> tuple[list[dict], int]:
-    """The run's bodies (greedy, streamed) and the index of the shift."""
+    """The run's bodies (greedy, streamed, asking for their fingerprints) and the index
+    of the shift."""
     shift = n // 10 if scenario == "output" else (2 * n) // 5
     bodies = []
     for i in range(n):
@@ -55,16 +63,15 @@ def requests_for(scenario: str, n: int, model: str) -> tuple[list[dict], int]:
                 for k in range(images)]
         body = chat_body(model, f"Say something about request {i}.", urls, max_tokens=tokens,
                          stream=True)
-        body["temperature"] = 0
-        bodies.append(body)
+        bodies.append(ask_for_fingerprint({**body, "temperature": 0}))
     return bodies, shift
 
 
 async def one(session: aiohttp.ClientSession, url: str, body: dict, delay: float) -> dict:
-    """Send `body` after `delay`; its timings, its text and what the proxy said."""
+    """Send `body` after `delay`; its timings, its fingerprint and what the proxy said."""
     await asyncio.sleep(delay)
     start = time.perf_counter()
-    times, text = [], []
+    times, events = [], []
     try:
         async with session.post(url, json=body) as resp:
             if resp.status != 200:
@@ -74,17 +81,16 @@ async def one(session: aiohttp.ClientSession, url: str, body: dict, delay: float
                 line = raw.decode().strip()
                 if not line.startswith("data:") or line == "data: [DONE]":
                     continue
-                choices = json.loads(line[5:]).get("choices") or []  # the usage chunk: none
-                delta = choices[0].get("delta", {}).get("content") if choices else None
-                if delta:
+                events.append(json.loads(line[5:]))
+                choices = events[-1].get("choices") or []  # the usage chunk: none
+                if choices and choices[0].get("delta", {}).get("content"):
                     times.append(time.perf_counter() - start)
-                    text.append(delta)
     except (aiohttp.ClientError, asyncio.TimeoutError) as err:
         return {"ok": False, "error": type(err).__name__}
     end = time.perf_counter() - start
     tpot = (end - times[0]) / (len(times) - 1) if len(times) > 1 else None
     return {"ok": bool(times), "ttft": times[0] if times else None, "tpot": tpot, "e2el": end,
-            "text": "".join(text), "stages": stages}
+            "fingerprint": fingerprint_of_stream(events), "stages": stages}
 
 
 async def send_all(url: str, bodies: list[dict], rate: float) -> list[dict]:
@@ -136,7 +142,8 @@ def run_once(proxy: str, bodies, shift, expected, rate, switching: bool) -> dict
     switches = [s for s in httpx.get(proxy + "/roles", timeout=30).json()["switches"][before:]
                 if s["reason"] != "manual"]
     lost = sum(1 for r in results if not r["ok"])
-    wrong = sum(1 for r, want in zip(results, expected) if r["ok"] and r["text"] != want)
+    wrong = sum(1 for r, want in zip(results, expected)
+                if r["ok"] and not compare(r["fingerprint"], want).agrees)
     return {"results": results, "shift": shift, "switches": switches, "lost": lost,
             "wrong": wrong}
 
@@ -191,9 +198,8 @@ def measure(dep, args) -> int:
                  for b in bodies]
         with httpx.Client(timeout=900) as client, ThreadPoolExecutor(4) as pool:
             # One instance alone, the reference.
-            expected = list(pool.map(lambda b: client.post(
-                p0 + "/v1/chat/completions", json=b).json()["choices"][0]["message"]["content"],
-                plain))
+            expected = list(pool.map(lambda b: fingerprint(client.post(
+                p0 + "/v1/chat/completions", json=b).json()), plain))
         print(f"\n== scenario {scenario}: {args.requests} requests at {args.rate} req/s, "
               f"shift at request {shift}", flush=True)
         for switching in (False, True, False, True):

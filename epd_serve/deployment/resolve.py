@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
+from typing import Any
 
 from epd_serve.backends import get_platform
 from epd_serve.deployment.schema import ArgValue, ConfigError, Deployment
@@ -46,6 +47,7 @@ def resolve(config: Deployment, root: Path) -> ResolvedDeployment:
     store = store_spec_of(config, platform)
     _check_switchable_store(config, store)
     engine_python = engine_python_of(config, root)
+    kv_config = kv_config_of(config, protocol)
     launches = []
     next_kv_port = config.kv_base_port
     next_prefetch_port = config.mm_store.prefetch_base_port
@@ -84,7 +86,7 @@ def resolve(config: Deployment, root: Path) -> ResolvedDeployment:
                 kv_role=kv_role,
                 kv_protocol=protocol,
                 kv_port=kv_port,
-                kv_config=tuple(sorted(config.kv_connector_config.items())),
+                kv_config=kv_config,
                 extra_args=tuple(_flag_args(args)),
                 extra_env=tuple(sorted(config.env.items())),
                 engine_python=engine_python,
@@ -144,6 +146,15 @@ def _check_switchable_store(config: Deployment, store: StoreSpec | None) -> None
                           f"each worker would hold the Mooncake MM Store's client beside its "
                           f"KV transfer engine, and the {store.protocol} transport allows one "
                           "per process: use mm_store: {backend: shm} on one node, or no '~'")
+
+
+def kv_config_of(config: Deployment, protocol: str) -> tuple[tuple[str, Any], ...]:
+    """The KV connector's settings: the file's, and a deployment that injects faults
+    (tests) has its connector honour them too, where it has faults to inject."""
+    settings = dict(config.kv_connector_config)
+    if config.fault_injection and get_protocol(protocol).injects_faults:
+        settings.setdefault("fault_injection", True)
+    return tuple(sorted(settings.items()))
 
 
 def kv_protocol_of(config: Deployment, platform: Platform) -> str:

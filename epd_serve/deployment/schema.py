@@ -168,7 +168,9 @@ class Deployment(BaseModel):
     fault_injection: bool = Field(
         False, description="Tests only: the proxy honours the request header "
         "'x-epd-fault: drop-features' (deletes the request's features from the MM Store "
-        "after the encoder, so prefill must recompute).")
+        "after the encoder, so prefill must recompute), and prefill's KV connector a "
+        "client's kv_transfer_params epd_fault: stall, fail_write (decode recomputes) or "
+        "skip_block (a block of decode's never written: a wrong answer on purpose).")
     health_timeout_s: float = Field(600.0, description="How long start-up may take.")
     supervision: Supervision = Field(
         default_factory=Supervision, description="Restarts (back-off, no limit) and log "

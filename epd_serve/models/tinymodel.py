@@ -38,6 +38,17 @@ TEXT_LAYERS = 2
 VISION_DEPTH = 2
 VISION_EMBED = 128
 BPE_VOCAB = 2000
+# Weights of the language model are drawn with this standard deviation, and its output
+# projection is its own matrix, not the input embedding. With transformers' defaults
+# (0.02, tied) every layer adds little to the residual stream, so the last position's
+# logits are its own token's embedding against every other: the greedy answer repeats
+# the prompt's last token ("\n" after the chat template) whatever came before, and no
+# check that compares answers can see a wrong feature or KV block. At 0.1, untied,
+# answers follow the prompt and the pixels (tests/unit/models/test_tinymodel.py).
+TEXT_INIT_STD = 0.1
+# Written into epd_tiny_model.json: a model directory built by an older builder (whose
+# answers did not depend on their input) is built again by the launcher.
+BUILDER_VERSION = 2
 
 # Qwen2-VL's chat template, reduced to what the serving paths use: system/user/assistant
 # turns whose content is a string or a list of text / image / video parts.
@@ -136,7 +147,8 @@ def _config(family: str, tok, shape: Shape) -> object:
         num_key_value_heads=shape.kv_heads,
         max_position_embeddings=32768,
         rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
+        initializer_range=TEXT_INIT_STD,
+        tie_word_embeddings=False,
         bos_token_id=ids["<|endoftext|>"],
         eos_token_id=ids["<|im_end|>"],
         pad_token_id=ids["<|endoftext|>"],
@@ -149,7 +161,7 @@ def _config(family: str, tok, shape: Shape) -> object:
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=True,
+        tie_word_embeddings=False,
     )
     if family == "qwen2_vl":
         text["rope_scaling"] = {"type": "mrope", "mrope_section": mrope}
@@ -212,10 +224,21 @@ def build_tiny_model(family: str, out: str | Path, seed: int = 0, shape: Shape =
     model.save_pretrained(out)
     _processor(family, tok).save_pretrained(out)
     (out / "epd_tiny_model.json").write_text(
-        json.dumps({"family": family, "seed": seed, **dataclasses.asdict(shape)}))
+        json.dumps({"family": family, "seed": seed, "builder": BUILDER_VERSION,
+                    **dataclasses.asdict(shape)}))
     return out
 
 
 def is_model_dir(path: str | Path) -> bool:
     path = Path(path)
     return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def is_current_tiny_model(path: str | Path) -> bool:
+    """Whether `path` holds a tiny model this builder would write (not one of an older
+    builder's, whose answers ignore their input)."""
+    try:
+        built = json.loads((Path(path) / "epd_tiny_model.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return is_model_dir(path) and built.get("builder") == BUILDER_VERSION

@@ -32,8 +32,10 @@ class Steering(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     other key, proxy/request.py); passed on to prefill."""
 
     epd_mode: Mode | UnsetType = UNSET  # how the KV is cut into writes (grouping.py)
-    # Fault injection, honoured only where the deployment allows it (tests), e.g.
-    # "stall" or "fail_write" (connectors/epd_kv/sender_*.py).
+    # Fault injection, honoured only where the deployment allows it (tests): "stall",
+    # "fail_write" (the transfer fails; decode recomputes) or "skip_block" (decode's first
+    # reserved block is never written, yet the transfer reports done: a wrong answer
+    # only a fingerprint sees), connectors/epd_kv/sender_*.py.
     epd_fault: str | UnsetType = UNSET
 
 

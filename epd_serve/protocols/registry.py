@@ -61,6 +61,9 @@ class KVProtocol:
     # Whether its connector runs as kv_both, sending for some requests and receiving for
     # others, which instances that switch role between P and D need.
     switches_roles: ClassVar[bool] = False
+    # Whether its connector takes `fault_injection: true` (a deployment's own
+    # `fault_injection` then turns it on: tests).
+    injects_faults: ClassVar[bool] = False
     # Platform name -> the connector that speaks this protocol there; a platform it
     # lacks cannot run it.
     connectors: ClassVar[dict[str, Connector]]
@@ -94,6 +97,7 @@ class EPDPushProtocol(KVProtocol):
     name = "epd"
     handoff = "epd_serve.proxy.handoff.epd_push:EPDPush"
     switches_roles = True
+    injects_faults = True
     # cpu: the transfer engine's TCP transport (a CPU machine has no RDMA device to
     # register KV memory with); cuda: RDMA between the GPUs' registered KV memory;
     # ascend: the NPU wheel (mooncake-transfer-engine-npu 0.3.11.post1, built

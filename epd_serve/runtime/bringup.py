@@ -36,10 +36,11 @@ def load(path: str | Path, **overrides: Any) -> ResolvedDeployment:
 
 
 def ensure_model(dep: ResolvedDeployment) -> None:
-    """Build the tiny model where the deployment file asks for one and none exists."""
-    from epd_serve.models.tinymodel import build_tiny_model, is_model_dir
+    """Build the tiny model where the deployment file asks for one and none exists (or
+    an older builder's is there)."""
+    from epd_serve.models.tinymodel import build_tiny_model, is_current_tiny_model
 
-    if dep.config.tiny_model and not is_model_dir(dep.model_dir):
+    if dep.config.tiny_model and not is_current_tiny_model(dep.model_dir):
         print(f"building tiny {dep.config.tiny_model} model in {dep.model_dir} ...", file=sys.stderr)
         build_tiny_model(dep.config.tiny_model, dep.model_dir)
 

@@ -25,6 +25,7 @@ import pytest
 
 from epd_serve.bench import waterfall as timeline_view
 from epd_serve.cli.demo import traced_request
+from epd_serve.instances.answers import ask_for_fingerprint, fingerprint_of_stream
 from epd_serve.instances.counters import parse_prometheus
 from epd_serve.instances.payloads import chat_body, image_data_url, make_image
 from epd_serve.instances.videos import make_video, video_data_url
@@ -34,6 +35,7 @@ from epd_serve.proxy.guards import Limits
 from epd_serve.proxy.tenancy import image_key, video_chunk_keys
 from epd_serve.proxy.video import decode_video
 
+from ..answers import assert_same_answer
 from ..waiting import wait_for
 from .conftest import STORE_CAPACITY
 
@@ -137,23 +139,26 @@ def test_text_request_skips_the_encoder(dep):
 
 def test_streaming_image_request_through_the_proxy(dep):
     model = dep.launches[0].served_model_name
-    body = chat_body(model, "Stream it.", [image_data_url(make_image(320, 240, seed=7))],
-                     max_tokens=MAX_TOKENS, stream=True)
-    body["logprobs"] = True  # one entry per generated token, whatever the text chunks hold
-    tokens, usage = 0, None
+    # Log-probs: one entry per generated token, whatever the text chunks hold.
+    body = ask_for_fingerprint({**chat_body(
+        model, "Stream it.", [image_data_url(make_image(320, 240, seed=7))],
+        max_tokens=MAX_TOKENS, stream=True), "temperature": 0})
+    events = []
     with httpx.stream("POST", dep.proxy_url + "/v1/chat/completions", json=body, timeout=300) as r:
         assert r.status_code == 200
         assert r.headers["x-epd-stages"].startswith("E=")
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            for choice in event["choices"]:
-                tokens += len((choice.get("logprobs") or {}).get("content") or [])
-            usage = event.get("usage") or usage
+        events = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    usage = next((e["usage"] for e in reversed(events) if e.get("usage")), None)
     assert usage is not None, "the stream carried no usage block"
     assert usage["completion_tokens"] == MAX_TOKENS, usage
-    assert tokens == MAX_TOKENS
+    streamed = fingerprint_of_stream(events)
+    assert len(streamed[0]) == MAX_TOKENS
+    # The stream is the answer the same request gets whole.
+    whole = httpx.post(dep.proxy_url + "/v1/chat/completions", timeout=300,
+                       json={**{k: v for k, v in body.items() if k != "stream_options"},
+                             "stream": False})
+    assert_same_answer(streamed, whole)
 
 
 def test_bad_request_gets_a_clear_error_and_the_deployment_keeps_serving(dep):
@@ -174,13 +179,7 @@ def test_bad_request_gets_a_clear_error_and_the_deployment_keeps_serving(dep):
 def image_body(dep, seed: int, **extra) -> dict:
     body = chat_body(dep.launches[0].served_model_name, "What is in it?",
                      [image_data_url(make_image(448, 448, seed=seed))], max_tokens=MAX_TOKENS)
-    body.update({"temperature": 0, "logprobs": True, **extra})
-    return body
-
-
-def tokens_and_logprobs(resp) -> tuple[list[str], list[float]]:
-    content = resp.json()["choices"][0]["logprobs"]["content"]
-    return [c["token"] for c in content], [c["logprob"] for c in content]
+    return ask_for_fingerprint({**body, "temperature": 0, **extra})
 
 
 def instance_log(dep, instance: str) -> str:
@@ -243,7 +242,7 @@ def test_a_repeated_image_skips_the_encoder(dep, engine_is_023):
         assert decided["encoded_locally"] == 0 and decided["unavailable"] == 0
     else:
         assert delta[p].ec_encoded_locally == 0
-    assert tokens_and_logprobs(again)[0] == tokens_and_logprobs(first)[0]
+    assert_same_answer(again, first)
 
 
 def test_a_feature_lost_between_e_and_p_is_recomputed_and_the_request_succeeds(
@@ -288,11 +287,9 @@ def test_greedy_answer_matches_the_monolithic_instance(dep, engine_is_023):
         alone = client.post(p_url + "/v1/chat/completions", json=body)
     assert split.status_code == alone.status_code == 200
     assert split.headers["x-epd-stages"].endswith(IMG_STORED[engine_is_023])
-    s_tokens, s_logprobs = tokens_and_logprobs(split)
-    a_tokens, a_logprobs = tokens_and_logprobs(alone)
-    assert s_tokens == a_tokens
-    # The feature is what the prompt attends to: a wrong or zero one would move these.
-    assert np.allclose(s_logprobs, a_logprobs, atol=0.05)
+    # The feature is what the prompt attends to: a wrong or zero one would move the
+    # log-probs (test_fingerprint shows this comparison sees another image's feature).
+    assert_same_answer(split, alone)
 
 
 # -- video -----------------------------------------------------------------------------
@@ -302,8 +299,7 @@ def video_body(dep, frames: int, seed: int) -> tuple[dict, str]:
     url = video_data_url(make_video(frames, 224, 224, seed=seed))
     body = chat_body(dep.launches[0].served_model_name, "What happens in the video?",
                      max_tokens=MAX_TOKENS, video_urls=[url])
-    body.update({"temperature": 0, "logprobs": True})
-    return body, decode_video(url, Limits()).url
+    return ask_for_fingerprint({**body, "temperature": 0}), decode_video(url, Limits()).url
 
 
 def loaded_whole(dep, instance: str, sent_url: str) -> int:
@@ -336,10 +332,7 @@ def test_a_video_is_encoded_on_e_in_chunks_and_answered_as_one_instance_answers_
     if not engine_is_023:  # (vLLM 0.23 has no EC counters; its log says the same)
         assert delta[e].ec_saved == -(-frames // 4)
         assert delta[p].ec_encoded_locally == 0
-    s_tokens, s_logprobs = tokens_and_logprobs(split)
-    a_tokens, a_logprobs = tokens_and_logprobs(alone)
-    assert s_tokens == a_tokens
-    assert np.allclose(s_logprobs, a_logprobs, atol=0.05)
+    assert_same_answer(split, alone)
 
 
 def test_a_repeated_video_skips_the_encoder(dep):
@@ -353,7 +346,7 @@ def test_a_repeated_video_skips_the_encoder(dep):
     assert again.headers["x-epd-stages"].startswith("E=store:")
     assert delta[e].requests == 0
     assert loaded_whole(dep, p, sent) >= 1
-    assert tokens_and_logprobs(again)[0] == tokens_and_logprobs(first)[0]
+    assert_same_answer(again, first)
 
 
 def test_a_video_whose_chunks_were_lost_is_encoded_by_prefill(dep):

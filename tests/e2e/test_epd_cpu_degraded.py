@@ -2,9 +2,9 @@
 killed, text and image requests keep succeeding through decode, which computes the
 prompt itself (an image's feature taken from the MM Store by reference); with the only
 decode instance killed, prefill decodes; with the only encoder killed, prefill encodes.
-Every such answer says so (FALLBACK= in x-epd-stages), the proxy counts it, the
-instances' own counters show who did the work, and once the launcher has the instance
-back the normal path resumes."""
+Every such answer says so (FALLBACK= in x-epd-stages), is the answer one whole engine
+gives (tokens and top log-probs), the proxy counts it, the instances' own counters show
+who did the work, and once the launcher has the instance back the normal path resumes."""
 
 from __future__ import annotations
 
@@ -15,8 +15,11 @@ import httpx
 import psutil
 import pytest
 
+from epd_serve.instances.answers import ask_for_fingerprint
 from epd_serve.instances.counters import Counters, snapshot
 from epd_serve.instances.payloads import chat_body, image_data_url, make_image
+
+from ..answers import assert_same_answer
 
 MAX_TOKENS = 6
 RESTART_TIMEOUT_S = 300
@@ -46,9 +49,12 @@ def body(dep, kind: str) -> dict:
     model = dep.launches[0].served_model_name
     seed = next(SEEDS)
     if kind == "text":
-        return chat_body(model, f"Words only, number {seed}.", max_tokens=MAX_TOKENS)
-    return chat_body(model, "Describe it.", [image_data_url(make_image(224, 224, seed=seed))],
-                     max_tokens=MAX_TOKENS)
+        payload = chat_body(model, f"Words only, number {seed}.", max_tokens=MAX_TOKENS)
+    else:
+        payload = chat_body(model, "Describe it.",
+                            [image_data_url(make_image(224, 224, seed=seed))],
+                            max_tokens=MAX_TOKENS)
+    return ask_for_fingerprint({**payload, "temperature": 0})
 
 
 def post(dep, payload: dict) -> httpx.Response:
@@ -84,6 +90,14 @@ def traced(dep, payload: dict, alive: list[str], worker: str) -> tuple[httpx.Res
           >= MAX_TOKENS, 30, f"{worker} publishing its generated tokens", interval=0.1)
     after = counters(dep, alive)
     return resp, {n: after[n] - before[n] for n in alive}
+
+
+def assert_answered_as_alone(dep, resp: httpx.Response, payload: dict, whole: str) -> None:
+    """A stood-in answer is the one the surviving instance `whole` gives when sent the
+    request itself, as one engine doing everything."""
+    url = next(l.url for l in dep.launches if l.name == whole)
+    alone = httpx.post(url + "/v1/chat/completions", json=payload, timeout=300)
+    assert_same_answer(resp, alone, f"stood-in answer against {whole} alone")
 
 
 def kill_tree(launcher, name: str) -> None:
@@ -162,7 +176,8 @@ def test_with_prefill_killed_decode_serves_text_and_images_until_it_is_back(dep,
     kill_tree(launcher, p)
     # No waiting for the proxy's probe: the first request finds prefill refusing
     # connections and is planned again with decode alone.
-    resp, delta = traced(dep, body(dep, "text"), [e, d], d)
+    payload = body(dep, "text")
+    resp, delta = traced(dep, payload, [e, d], d)
     stages = resp.headers["x-epd-stages"]
     assert f"D={d}" in stages and stages.endswith("FALLBACK=P>D"), stages
     prompt = resp.json()["usage"]["prompt_tokens"]
@@ -171,8 +186,10 @@ def test_with_prefill_killed_decode_serves_text_and_images_until_it_is_back(dep,
     assert delta[d].generated == MAX_TOKENS and delta[e].requests == 0
     assert not proxy_instances(dep)[p]["healthy"]
     assert_degraded(dep, "P>D")
+    assert_answered_as_alone(dep, resp, payload, d)
 
-    resp, delta = traced(dep, body(dep, "image"), [e, d], d)
+    payload = body(dep, "image")
+    resp, delta = traced(dep, payload, [e, d], d)
     stages = resp.headers["x-epd-stages"]
     assert stages.startswith(f"E={e}:") and stages.endswith("IMG=ref;FALLBACK=P>D"), stages
     prompt = resp.json()["usage"]["prompt_tokens"]
@@ -181,6 +198,7 @@ def test_with_prefill_killed_decode_serves_text_and_images_until_it_is_back(dep,
     assert delta[e].ec_saved == 1
     assert delta[d].ec_loaded == 1 and delta[d].ec_encoded_locally == 0
     assert delta[d].prompt_local == prompt and delta[d].generated == MAX_TOKENS
+    assert_answered_as_alone(dep, resp, payload, d)  # the feature by reference: right
 
     stood_in = serve_until_back(dep, launcher, p, "P", "D")
     assert fallbacks(dep, "P", "D") - counted == 2 + stood_in
@@ -198,7 +216,8 @@ def test_with_decode_killed_prefill_serves_text_and_images_until_it_is_back(dep,
     # counters show this request alone: a request planned before that would have been
     # prefilled for the hand-off first, then run whole when decode refused it.
     until(lambda: not proxy_instances(dep)[d]["healthy"], 30, f"the proxy taking {d} out")
-    resp, delta = traced(dep, body(dep, "text"), [e, p], p)
+    payload = body(dep, "text")
+    resp, delta = traced(dep, payload, [e, p], p)
     stages = resp.headers["x-epd-stages"]
     assert f"P={p}" in stages and stages.endswith("FALLBACK=D>P"), stages
     prompt = resp.json()["usage"]["prompt_tokens"]
@@ -206,13 +225,16 @@ def test_with_decode_killed_prefill_serves_text_and_images_until_it_is_back(dep,
     assert delta[p].prompt_local == prompt and delta[p].generated == MAX_TOKENS
     assert delta[p].kv_transfers == 0
     assert_degraded(dep, "D>P")
+    assert_answered_as_alone(dep, resp, payload, p)
 
-    resp, delta = traced(dep, body(dep, "image"), [e, p], p)
+    payload = body(dep, "image")
+    resp, delta = traced(dep, payload, [e, p], p)
     stages = resp.headers["x-epd-stages"]
     assert stages.startswith(f"E={e}:") and stages.endswith("IMG=ref;FALLBACK=D>P"), stages
     assert delta[e].ec_saved == 1 and delta[p].ec_loaded == 1
     assert delta[p].prompt_local == resp.json()["usage"]["prompt_tokens"]
     assert delta[p].generated == MAX_TOKENS
+    assert_answered_as_alone(dep, resp, payload, p)
 
     stood_in = serve_until_back(dep, launcher, d, "D", "P")
     assert fallbacks(dep, "D", "P") - counted == 2 + stood_in
@@ -227,7 +249,8 @@ def test_with_the_encoder_killed_prefill_encodes_images_until_it_is_back(dep, de
 
     kill_tree(launcher, e)
     # The encoder refuses the image's batch: prefill gets the pixels instead.
-    resp, delta = traced(dep, body(dep, "image"), [p, d], d)
+    payload = body(dep, "image")
+    resp, delta = traced(dep, payload, [p, d], d)
     stages = resp.headers["x-epd-stages"]
     assert "E=skipped" in stages and f"P={p}" in stages and f"D={d}" in stages, stages
     assert stages.endswith("IMG=pixels;FALLBACK=E>P"), stages
@@ -236,6 +259,7 @@ def test_with_the_encoder_killed_prefill_encodes_images_until_it_is_back(dep, de
     assert delta[p].prompt_local == resp.json()["usage"]["prompt_tokens"]
     assert delta[d].generated == MAX_TOKENS
     assert_degraded(dep, "E>P")
+    assert_answered_as_alone(dep, resp, payload, p)
 
     stood_in = serve_until_back(dep, launcher, e, "E", "P")
     assert fallbacks(dep, "E", "P") - counted == 1 + stood_in

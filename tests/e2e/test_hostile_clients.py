@@ -3,9 +3,9 @@ Mooncake MM Store): a client cannot plant what another user's answer is computed
 cannot read a stored feature by naming it, cannot share another tenant's caches, and
 neither a span flood, a shared traceparent nor slow uploads reach the other clients.
 
-Each answer is fingerprinted by its top log-probabilities (greedy, first tokens): an
-image's answer must be the one an identical-pixel copy of it (other bytes, so another
-content key, never planted on) gets."""
+Each answer is fingerprinted by its tokens and top log-probabilities (greedy,
+epd_serve.instances.answers): an image's answer must be the one an identical-pixel copy
+of it (other bytes, so another content key, never planted on) gets."""
 
 from __future__ import annotations
 
@@ -20,11 +20,14 @@ import httpx
 import numpy as np
 import pytest
 
+from epd_serve.instances.answers import ask_for_fingerprint, compare
 from epd_serve.instances.counters import snapshot
 from epd_serve.instances.payloads import chat_body, make_image
 from epd_serve.instances.videos import encode_video, make_video, video_data_url, video_part
 from epd_serve.proxy.tenancy import Tenants, image_key
 from epd_serve.testing.second_proxy import second_proxy
+
+from ..answers import fingerprint_of
 
 TOKENS = 3
 STORES = ["shm", "mooncake"]
@@ -59,20 +62,11 @@ def ask(url: str, body: dict, headers: dict | None = None) -> httpx.Response:
 def image_question(dep, part: dict) -> dict:
     body = chat_body(model(dep), "What is in it?", max_tokens=TOKENS)
     body["messages"][0]["content"] = [part, {"type": "text", "text": "What is in it?"}]
-    body.update({"temperature": 0, "logprobs": True, "top_logprobs": 5})
-    return body
-
-
-def fingerprint(resp: httpx.Response) -> list[tuple[str, float, dict[str, float]]]:
-    """The answer's tokens, each with its log-probability and the top five."""
-    assert resp.status_code == 200, resp.text
-    return [(c["token"], c["logprob"], {t["token"]: t["logprob"] for t in c["top_logprobs"]})
-            for c in resp.json()["choices"][0]["logprobs"]["content"]]
+    return ask_for_fingerprint({**body, "temperature": 0})
 
 
 def same_answer(a, b) -> bool:
-    return [t for t, _, _ in a] == [t for t, _, _ in b] and np.allclose(
-        [lp for _, lp, _ in a], [lp for _, lp, _ in b], atol=1e-3)
+    return compare(fingerprint_of(a), fingerprint_of(b)).agrees
 
 
 def planting_parts(url: str, raw: bytes, target: str) -> dict[str, dict]:
@@ -110,11 +104,11 @@ def test_a_client_cannot_plant_what_another_users_image_is_computed_from(dep):
     # Every plant was served as the attacker's own image, or refused as bad input.
     assert all(code == 200 or 400 <= code < 500 for code in outcomes.values()), outcomes
     assert outcomes["image_embeds (reference)"] == outcomes["image_embeds (tensor)"] == 400
-    victims_answer = fingerprint(ask(dep.proxy_url, image_question(
+    victims_answer = fingerprint_of(ask(dep.proxy_url, image_question(
         dep, {"type": "image_url", "image_url": {"url": victim}})))
-    copys_answer = fingerprint(ask(dep.proxy_url, image_question(
+    copys_answer = fingerprint_of(ask(dep.proxy_url, image_question(
         dep, {"type": "image_url", "image_url": {"url": copy}})))
-    attackers_answer = fingerprint(ask(dep.proxy_url, image_question(
+    attackers_answer = fingerprint_of(ask(dep.proxy_url, image_question(
         dep, {"type": "image_url", "image_url": {"url": attacker}})))
     assert same_answer(victims_answer, copys_answer), (victims_answer, copys_answer)
     # The fingerprint tells the images apart: a planted feature would have shown.
@@ -179,7 +173,7 @@ def test_tenants_share_no_prefix_cache_block_and_no_stored_feature(dep):
             before = cache_hits()
             resp = ask(url, body, {"authorization": f"Bearer {who}-key"})
             seen[who, repeat] = (resp.headers.get("x-epd-stages", ""), cache_hits() - before,
-                                 fingerprint(resp))
+                                 fingerprint_of(resp))
     # Alice's first computes everything (no block nor feature of anyone else's); her
     # second reuses both. Bob, asking the same, finds neither of hers.
     for who in ("alice", "bob"):

@@ -16,8 +16,10 @@ import psutil
 import pytest
 
 from epd_serve.cli.demo import traced_request
+from epd_serve.instances.answers import ask_for_fingerprint
 from epd_serve.instances.counters import parse_prometheus
 
+from ..answers import assert_same_answer
 from ..waiting import wait_for
 
 # Faults on request, and timeouts short enough for a test to wait them out.
@@ -36,9 +38,9 @@ def names(dep):
 
 
 def completion(dep, prompt, **extra) -> dict:
-    return {"model": dep.launches[0].served_model_name, "prompt": prompt,
-            "max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0, "logprobs": 1,
-            **extra}
+    return ask_for_fingerprint({"model": dep.launches[0].served_model_name, "prompt": prompt,
+                                "max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0,
+                                **extra})
 
 
 def prompt_ids(length: int, seed: int) -> list[int]:
@@ -78,11 +80,8 @@ def test_greedy_answers_match_one_monolithic_instance(dep):
             split = client.post(dep.proxy_url + "/v1/completions", json=body)
             # The prefill instance alone is a whole engine: it prefills and decodes.
             alone = client.post(p_url + "/v1/completions", json=body)
-            assert split.status_code == alone.status_code == 200
-            s, a = split.json()["choices"][0]["logprobs"], alone.json()["choices"][0]["logprobs"]
-            assert s["tokens"] == a["tokens"]
-            # The decoder attends to the transferred KV: wrong KV would move these.
-            assert np.allclose(s["token_logprobs"], a["token_logprobs"], atol=0.05)
+            # The decoder attends to the transferred KV: wrong KV would move the log-probs.
+            assert_same_answer(split, alone)
 
 
 def test_prefills_own_cache_hit_reaches_a_decoder_that_never_saw_the_prefix(dep):
@@ -101,10 +100,7 @@ def test_prefills_own_cache_hit_reaches_a_decoder_that_never_saw_the_prefix(dep)
             (d,) = [name for name in decoders if delta[name].generated]
             seen.append((delta[p].prompt_local < prompt, delta[d].prompt_external_kv == prompt))
             alone = client.post(p_url + "/v1/completions", json=body)
-            assert alone.status_code == 200
-            s, a = resp.json()["choices"][0]["logprobs"], alone.json()["choices"][0]["logprobs"]
-            assert s["tokens"] == a["tokens"], f"request {n} decoded on {d}"
-            assert np.allclose(s["token_logprobs"], a["token_logprobs"], atol=0.05)
+            assert_same_answer(resp, alone, f"request {n} decoded on {d}")
     # Prefill hit its cache while the decoder had nothing of the prompt, at least once.
     assert (True, True) in seen, seen
 

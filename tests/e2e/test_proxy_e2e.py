@@ -14,10 +14,10 @@ import types
 import zlib
 
 import httpx
-import numpy as np
 import pytest
 import torch
 
+from epd_serve.instances.answers import ask_for_fingerprint
 from epd_serve.instances.counters import snapshot
 from epd_serve.instances.payloads import chat_body, image_data_url, make_image
 from epd_serve.instances.videos import make_video, video_data_url
@@ -28,6 +28,8 @@ from epd_serve.proxy.tenancy import image_key, video_chunk_keys
 from epd_serve.proxy.video import decode_video
 from epd_serve.runtime.plan import proxy_config
 from epd_serve.testing.second_proxy import second_proxy
+
+from ..answers import assert_same_answer
 
 MAX_TOKENS = 4
 
@@ -91,12 +93,7 @@ def test_four_images_are_encoded_on_both_encoders_at_once(dep):
 
 def video_request(dep, url: str) -> dict:
     body = chat_body(model(dep), "What happens?", max_tokens=MAX_TOKENS, video_urls=[url])
-    return {**body, "temperature": 0, "logprobs": True}
-
-
-def answer(resp: httpx.Response) -> tuple[list[str], np.ndarray]:
-    content = resp.json()["choices"][0]["logprobs"]["content"]
-    return [c["token"] for c in content], np.array([c["logprob"] for c in content])
+    return ask_for_fingerprint({**body, "temperature": 0})
 
 
 def feature(store, key: str) -> torch.Tensor:
@@ -135,10 +132,7 @@ def test_a_videos_chunks_are_encoded_on_both_encoders_and_match_one_encoder(dep)
     # ...and the merged instance encoding the same frames itself answers the same.
     mono = httpx.post(urls["pd0"] + "/v1/chat/completions", json=video_request(dep, sent),
                       timeout=300)
-    s_tokens, s_logprobs = answer(split)
-    m_tokens, m_logprobs = answer(mono)
-    assert s_tokens == m_tokens
-    assert np.allclose(s_logprobs, m_logprobs, atol=0.05)
+    assert_same_answer(split, mono)
 
 
 def test_a_weighted_encoder_policy_sends_each_image_to_its_affine_encoder(dep):

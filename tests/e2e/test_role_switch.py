@@ -12,8 +12,10 @@ import os
 import httpx
 import pytest
 
+from epd_serve.instances.answers import Fingerprint, ask_for_fingerprint
 from epd_serve.instances.payloads import chat_body, image_data_url, make_image
 
+from ..answers import assert_same_answer, fingerprint_of
 from ..waiting import wait_for
 
 ADMIN_KEY = "e2e-admin"
@@ -36,13 +38,7 @@ def body(dep, seed: int, image: bool, max_tokens: int = 8, text: str = "What is 
     images = [image_data_url(make_image(224, 224, seed=seed))] if image else []
     payload = chat_body(dep.launches[0].served_model_name, f"{text} #{seed}", images,
                         max_tokens=max_tokens)
-    payload["temperature"] = 0
-    return payload
-
-
-def answer(resp: httpx.Response) -> str:
-    assert resp.status_code == 200, resp.text
-    return resp.json()["choices"][0]["message"]["content"]
+    return ask_for_fingerprint({**payload, "temperature": 0})
 
 
 def switch(dep, name: str, role: str, wait_s: float = 60.0) -> dict:
@@ -57,12 +53,13 @@ def roles(dep) -> dict:
     return httpx.get(f"{dep.proxy_url}/roles", timeout=30).json()
 
 
-def references(dep, payloads: list[dict]) -> list[str]:
+def references(dep, payloads: list[dict]) -> list[Fingerprint]:
     """Each payload's greedy answer from one instance alone (a full engine given no
     hand-off parameters is a monolithic one)."""
     url = next(l.url for l in dep.launches if l.name == "p0")
     with httpx.Client(timeout=300) as client:
-        return [answer(client.post(url + "/v1/chat/completions", json=p)) for p in payloads]
+        return [fingerprint_of(client.post(url + "/v1/chat/completions", json=p))
+                for p in payloads]
 
 
 def test_switches_by_hand_under_load_lose_nothing_and_change_no_answer(dep):
@@ -76,7 +73,8 @@ def test_switches_by_hand_under_load_lose_nothing_and_change_no_answer(dep):
                 for p in payloads]
         done = [switch(dep, name, role) for name, role in moves]
         got = [f.result() for f in sent]
-    assert [answer(r) for r in got] == expected  # nothing lost, nothing answered wrong
+    for n, (resp, want) in enumerate(zip(got, expected)):  # nothing lost, nothing wrong
+        assert_same_answer(resp, want, f"request {n}")
     assert [(s["instance"], s["target"], s["outcome"]) for s in done] == \
         [(n, r, "done") for n, r in moves]
     assert {i: v["roles"] for i, v in roles(dep)["instances"].items()} == \
@@ -108,7 +106,7 @@ def test_a_prefill_switched_while_it_holds_a_requests_kv_and_features_still_serv
             wait_for(lambda: roles(dep)["instances"]["p0"]["roles"] == "D", "p0 is D")
             switch(dep, "p0", "P")  # too late to catch the hop: again
         assert made["in_flight_at_decision"] >= 1 and made["outcome"] == "draining"
-    assert answer(resp) == expected
+    assert_same_answer(resp, expected)
     stages = resp.headers["x-epd-stages"]
     assert "P=p0" in stages and "KV=done" in stages, stages  # its KV came from p0
     wait_for(lambda: roles(dep)["instances"]["p0"]["roles"] == "D", "p0 serving D")

@@ -163,6 +163,8 @@ class Submitter:
         pairs = [(src, res.block_ids[index - res.first_block])
                  for index, src in enumerate(job.block_ids, start=job.first_block)
                  if 0 <= index - res.first_block < len(res.block_ids)]
+        if fault == "skip_block":  # decode's first reserved block keeps whatever it held
+            pairs = [(src, dst) for src, dst in pairs if dst != res.block_ids[0]]
         runs = block_runs([s for s, _ in pairs], [d for _, d in pairs])
         srcs, dsts, lens = segments(self.layouts, res.layout,
                                     range(job.first_layer, job.last_layer + 1), runs)

@@ -130,6 +130,19 @@ def test_kv_connector_settings_reach_the_engines_and_typos_are_refused():
         resolved("cuda", "P-D", kv_connector="nixl")
 
 
+def test_a_deployment_that_injects_faults_has_its_kv_connector_honour_them():
+    """`fault_injection: true` (tests) reaches prefill's epd connector, which alone
+    can inject KV faults; without it the connector ignores a request's epd_fault."""
+    faulty = by_name(resolved("cpu", "P-D", fault_injection=True))
+    extra = json.loads(flag(faulty["p0"][0], "--kv-transfer-config"))["kv_connector_extra_config"]
+    assert extra["fault_injection"] is True
+    plain = by_name(resolved("cpu", "P-D"))
+    extra = json.loads(flag(plain["p0"][0], "--kv-transfer-config"))["kv_connector_extra_config"]
+    assert "fault_injection" not in extra
+    mooncake = by_name(resolved("cpu", "P-D", kv_connector="mooncake", fault_injection=True))
+    assert "fault_injection" not in flag(mooncake["p0"][0], "--kv-transfer-config")
+
+
 def test_kv_ports_go_to_instances_that_send_or_receive_kv():
     dep = resolved("cuda", "E-P-D-D", kv_base_port=9000)
     assert [l.kv_port for l in dep.launches] == [None, 9000, 9001, 9002]

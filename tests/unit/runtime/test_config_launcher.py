@@ -153,6 +153,9 @@ def test_shipped_configs_all_load():
     for path in paths:
         cfg, root = schema.load(path)
         dep = resolve(cfg, root)
+        # Wrong answers on purpose are for tests: no shipped file lets a client ask.
+        assert not cfg.fault_injection, path
+        assert all(("fault_injection", True) not in l.kv_config for l in dep.launches), path
         if cfg.platform != "cpu":  # one 8-device node, or 8 devices on each node
             nodes = len(cfg.cluster.nodes) if cfg.cluster else 1
             assert dep.plan.num_devices == 8 * nodes, path
