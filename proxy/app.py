@@ -36,6 +36,7 @@ from epd_serve.proxy.routes_serving import (
     GENERATE_ROUTES,
     MAX_METASERVER_BODY,
     METASERVER,
+    RESPONSES,
     STAGES_HEADER,
     TRACE_HEADER,
 )
@@ -58,6 +59,7 @@ def create_app(config: ProxyConfig) -> web.Application:
     app.cleanup_ctx.append(lifespan)
     for path in GENERATE_ROUTES:
         app.router.add_post(path, routes_serving.generate)
+    app.router.add_route("*", RESPONSES + "{tail:.*}", routes_serving.responses)
     app.router.add_post(METASERVER + "{token}", routes_serving.metaserver)
     app.router.add_post("/v1/traces", routes_traces.receive_spans)
     app.router.add_get("/v1/traces", routes_traces.recent_traces)

@@ -91,6 +91,10 @@ class Limits(BaseModel):
     max_videos: int = Field(
         4, gt=0,
         description="Most videos (video_url parts) in one request.")
+    max_sequences: int = Field(
+        256, gt=0,
+        description="Most sequences one request asks for: its prompts (a completion's list) "
+                    "times `n`. Each prompt is its own trip through the stages.")
     max_video_frames: int = Field(
         64, gt=0,
         description="Most frames of one video the model is given (Video-MME's 64); a "

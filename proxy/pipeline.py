@@ -60,6 +60,7 @@ class Request:
     request_id: str  # what the engines get: unique per request (context.Proxy.request_ids_for)
     fault: str | None = None
     trace_id: str = ""  # W3C trace id every hop sends (timeline.py)
+    timeline_id: str = ""  # where its timeline is filed (GET /v1/traces/{timeline_id})
 
     @property
     def path(self) -> str:
@@ -125,6 +126,11 @@ class Pipeline:
         stored = await self._stored(work)
         plan = plan_stages(len(stored), stored, parsed.other_media, self.table.roster,
                            self._down(), self.stand_in)
+        if parsed.whole_prompt and plan.final == "P+D":
+            # vLLM computes such a prompt itself wherever it is answered (it reads no
+            # prompt KV then): decode does it alone, prefill is not asked for nothing.
+            plan = dataclasses.replace(plan, final="D")
+            trip.whole_prompt = parsed.whole_prompt
         self._stood_in(trip, plan.stand_ins)
         prepared = await self._encode(req, plan, work, trip)
         # Requests whose images prefill encodes for want of an encoder: the work of an

@@ -112,6 +112,10 @@ class _Common(msgspec.Struct):
     """Fields of both routes the proxy reads; others pass through unread."""
 
     stream: Union[bool, None] = None
+    n: Union[int, None] = None
+    seed: Union[int, None] = None
+    echo: Union[bool, None] = None
+    prompt_logprobs: Union[int, None] = None
     cache_salt: Union[str, None] = None
     kv_transfer_params: Union[dict[str, Any], None] = None
     ec_transfer_params: Any = None
@@ -194,6 +198,11 @@ class ParsedRequest:
     # ones into a feature's identity), canonical JSON: part of every content key.
     hash_factors: bytes
     sent: dict | None = None  # the body the stages get, once sealed
+    samples: int = 1  # `n`
+    prompts: list | None = None  # a completion's prompts, where it sends more than one
+    # The parameter (prompt_logprobs, echo) for which the instance that answers must
+    # compute the prompt itself (vLLM then reads no prompt KV from elsewhere); None.
+    whole_prompt: str | None = None
 
     @property
     def images(self) -> list[MediaItem]:
@@ -291,12 +300,37 @@ def parse_request(raw: bytes | bytearray, path: str, limits: Limits,
         _check_item(item, limits)
     factors = {k: v for k, v in (("mm_processor_kwargs", shape.mm_processor_kwargs),
                                  ("media_io_kwargs", shape.media_io_kwargs)) if v}
-    return ParsedRequest(path, body, media, text_chars, bool(shape.stream), shape.cache_salt,
-                         msgspec.json.encode(factors, order="sorted") if factors else b"")
+    parsed = ParsedRequest(path, body, media, text_chars, bool(shape.stream), shape.cache_salt,
+                           msgspec.json.encode(factors, order="sorted") if factors else b"")
+    _read_sequences(parsed, shape, limits)
+    return parsed
 
 
 def _malformed(message: str) -> ProxyError:
     return bad_request(message, "malformed")
+
+
+def _read_sequences(parsed: ParsedRequest, shape: _Common, limits: Limits) -> None:
+    """How many sequences the request asks for (its prompts times `n`, within
+    `max_sequences`), and whether its answer needs the prompt computed where it is
+    answered (prompt log-probs, echo: the engine computes those prompts itself)."""
+    if shape.n is not None and shape.n < 1:
+        raise bad_request(f"'n' must be at least 1 (got {shape.n})", "bad_n")
+    parsed.samples = shape.n or 1
+    prompt = getattr(shape, "prompt", None)
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) \
+            and len(prompt) > 1:
+        parsed.prompts = list(prompt)
+    sequences = parsed.samples * len(parsed.prompts or [None])
+    if sequences > limits.max_sequences:
+        raise bad_request(f"the request asks for {sequences} sequences ('n' "
+                          f"{parsed.samples} x {len(parsed.prompts or [None])} prompts); this "
+                          f"deployment serves at most {limits.max_sequences} a request",
+                          "too_many_sequences")
+    if shape.prompt_logprobs is not None:
+        parsed.whole_prompt = "prompt_logprobs"
+    elif shape.echo:
+        parsed.whole_prompt = "echo"
 
 
 def _check_proxy_fields(shape: _Common, client_kv_keys: frozenset[str]) -> None:

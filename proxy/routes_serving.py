@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 
 import msgspec
 from aiohttp import web
 
+from epd_serve.proxy import fanout
 from epd_serve.proxy.context import PROXY, TENANT, Proxy
 from epd_serve.proxy.errors import ProxyError, bad_request
 from epd_serve.proxy.metrics import ProxyMetrics
@@ -35,6 +37,7 @@ request_log = logging.getLogger("epd_serve.proxy.requests")
 STAGES_HEADER = "x-epd-stages"
 TRACE_HEADER = "x-epd-trace-id"  # the request's timeline: GET /v1/traces/{this id}
 GENERATE_ROUTES = ("/v1/chat/completions", "/v1/completions")
+RESPONSES = "/v1/responses"
 METASERVER = "/v1/metaserver/"
 # The largest report a decode instance posts to its metaserver URL (block ids).
 MAX_METASERVER_BODY = 1 << 20
@@ -53,28 +56,31 @@ async def serve(request: web.Request, ticket) -> web.StreamResponse:
     tenant = request[TENANT]
     parsed = await _parse(request, proxy, tenant, ticket)
     client_id, engine_id = proxy.request_ids_for(request.headers.get("x-request-id", ""))
-    timeline_id = new_timeline_id()
-    req = Request(parsed, request_id=engine_id, fault=request.headers.get("x-epd-fault"),
-                  trace_id=client_trace_id(request.headers.get("traceparent"))
-                  or timeline_id)
+    reqs, parts = _requests(request, proxy, parsed, engine_id)
+    timeline_ids = [req.timeline_id for req in reqs]
     metrics = proxy.metrics
-    trip: Trip | None = None
+    trips: list[Trip] = []
     stages = None  # x-epd-stages as answered; a stream's grows until its end
     status = 500
     try:
-        trip, result = await proxy.pipeline.run(req)
-        stages = trip.header()
+        results = await _run_all(proxy, reqs, trips)
+        stages = _stages(trips)
         headers = {STAGES_HEADER: stages, "x-request-id": client_id,
-                   TRACE_HEADER: timeline_id}
-        if not req.stream:
+                   TRACE_HEADER: ",".join(timeline_ids)}
+        if not parsed.stream:
             status = 200
-            _observe_transfer(metrics, trip)
+            for trip in trips:
+                _observe_transfer(metrics, trip)
+            result = results[0] if parts is None else fanout.merge(parts, results)
             return web.Response(body=msgspec.json.encode(result), headers=headers,
                                 content_type="application/json")
+        stream = results[0] if parts is None else fanout.merged_stream(
+            parts, results, bool((parsed.body.get("stream_options") or {})
+                                 .get("include_usage")))
         response = web.StreamResponse(headers=headers)
         response.content_type = "text/event-stream"
         status = 200
-        broken = await _relay(request, response, result, metrics, trip, arrived)
+        broken = await _relay(request, response, stream, metrics, trips[0], arrived)
         if broken is not None:  # the client was told inside the stream
             status = broken.status
             metrics.failures.labels(broken.reason).inc()
@@ -88,19 +94,65 @@ async def serve(request: web.Request, ticket) -> web.StreamResponse:
         status = 499  # the client went away: every hop was closed on the way out
         raise
     finally:
-        modality = "multimodal" if trip and trip.multimodal else "text"
+        modality = "multimodal" if trips and trips[0].multimodal else "text"
         metrics.child(metrics.requests, modality, str(status)).inc()
-        if trip is not None:
+        for trip, timeline_id in zip(trips, timeline_ids):
             proxy.traces.add(timeline_of(trip, timeline_id, tenant.name, client_id,
                                          status, received_ns))
-            if stages is None or req.stream:  # a stream's hops have ended since
-                stages = trip.header()
+        if trips and (stages is None or parsed.stream):  # a stream's hops have ended since
+            stages = _stages(trips)
         request_log.info(msgspec.json.encode({
             "request_id": client_id, "engine_request_id": engine_id,
-            "tenant": tenant.name, "path": req.path, "status": status,
-            "stream": req.stream, "modality": modality,
-            "stages": stages or "", "retries": trip.retries if trip else 0,
+            "tenant": tenant.name, "path": parsed.path, "status": status,
+            "stream": parsed.stream, "modality": modality,
+            "stages": stages or "", "retries": sum(t.retries for t in trips),
             "ms": round((time.perf_counter() - arrived) * 1e3, 2)}).decode())
+
+
+def _requests(request: web.Request, proxy: Proxy, parsed: ParsedRequest,
+              engine_id: str) -> tuple[list[Request], list[fanout.Part] | None]:
+    """The request as the stages run it: itself, or the parts of one asking for several
+    sequences (fanout.py), each with an engine id of its own."""
+    pipeline = proxy.pipeline
+    split_samples = pipeline.table.roster.split and not pipeline.handoff.decode_samples
+    parts = fanout.split(parsed.sent, parsed.prompts, parsed.samples, split_samples)
+    fault = request.headers.get("x-epd-fault")
+    trace_id = client_trace_id(request.headers.get("traceparent"))
+
+    def run_as(one: ParsedRequest, request_id: str) -> Request:
+        timeline_id = new_timeline_id()
+        return Request(one, request_id, fault, trace_id or timeline_id, timeline_id)
+
+    if parts is None:
+        return [run_as(parsed, engine_id)], None
+    return [run_as(dataclasses.replace(parsed, sent=part.body, prompts=None),
+                   f"{engine_id}-{k}") for k, part in enumerate(parts)], parts
+
+
+async def _run_all(proxy: Proxy, reqs: list[Request], trips: list[Trip]) -> list:
+    """Run every request through the stages at once; their answers (or streams), in
+    order. One that fails fails them all (the others are cancelled)."""
+    done: dict[int, Trip] = {}
+
+    async def one(k: int, req: Request):
+        done[k], result = await proxy.pipeline.run(req)
+        return result
+
+    tasks = [asyncio.ensure_future(one(k, req)) for k, req in enumerate(reqs)]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+    finally:
+        trips.extend(done[k] for k in sorted(done))
+
+
+def _stages(trips: list[Trip]) -> str:
+    """x-epd-stages: one trip's, or each part's in order, ` | `-separated."""
+    return " | ".join(trip.header() for trip in trips)
 
 
 async def _parse(request: web.Request, proxy: Proxy, tenant: Tenant,
@@ -167,6 +219,18 @@ def _observe_transfer(metrics: ProxyMetrics, trip: Trip) -> None:
     decode = next((s.instance for s in trip.stages if s.stage == "D" and not s.failed), None)
     if isinstance(transfer_ms, (int, float)) and decode:
         metrics.child(metrics.transfer_seconds, decode).observe(transfer_ms / 1e3)
+
+
+async def responses(request: web.Request) -> web.Response:
+    """The Responses API is refused, saying why: a response is stored in the engine
+    that made it (`store`, `previous_response_id`, background runs), which another
+    request routed to another instance cannot see, and its input items would reach the
+    engines unkeyed by the proxy (cache identities are the proxy's alone)."""
+    raise bad_request(
+        f"{request.path} is not served by this deployment: the Responses API keeps each "
+        "response in the engine that made it, which the next request (routed to any "
+        "instance) cannot read. Send the same input to /v1/chat/completions, which every "
+        "stage serves.", "unsupported_endpoint")
 
 
 async def models(request: web.Request) -> web.Response:

@@ -6,7 +6,9 @@ Parts: `<stage>=<instance>[!][:<ms>ms]` per hop, `KV=` (the hand-off's report), 
 (ref | keyed | pixels | recompute), `FALLBACK=<missing>><stand-in>[,...]` for stages whose
 work another stage did because none of their instances was healthy, and
 `SWITCHED=<instance>:<started as>><serves now>[,...]` for hops on instances a role switch
-moved (roles.py), e.g. `D=e0;SWITCHED=e0:E>D` (see `Trip.header`).
+moved (roles.py), e.g. `D=e0;SWITCHED=e0:E>D`, and `WHOLE=<parameter>` where decode
+computed the prompt itself because the request asked for what only the instance that
+computes the prompt can give (prompt_logprobs, echo) (see `Trip.header`).
 
 Pure data, filled in by upstream.py (each hop), encoding.py and the KV hand-offs.
 """
@@ -60,6 +62,8 @@ class Trip:
     relayed_ns: list[int] = dataclasses.field(default_factory=list)
     # Instance -> "E>D": hops ran on instances serving another role than they started as.
     switched: dict[str, str] = dataclasses.field(default_factory=dict)
+    # The parameter for which decode computed the prompt itself, skipping prefill.
+    whole_prompt: str | None = None
 
     def header(self) -> str:
         """Stages in pipeline order (prefill and decode may run at the same time);
@@ -80,6 +84,8 @@ class Trip:
             parts.append("KV=" + ":".join(fields))
         if self.images:
             parts.append(f"IMG={self.images}")
+        if self.whole_prompt:
+            parts.append(f"WHOLE={self.whole_prompt}")
         if self.stand_ins:
             parts.append("FALLBACK=" + ",".join(
                 f"{m}>{s}" for m, s in sorted(self.stand_ins, key=lambda p: "EPD".find(p[0]))))

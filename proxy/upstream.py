@@ -84,10 +84,11 @@ def connect_failure(err: BaseException) -> str | None:
 
 
 def single_token(body: dict, **overrides: Any) -> dict:
-    """The request as an encode or prefill stage runs it: one token, not streamed."""
+    """The request as an encode or prefill stage runs it: one sequence of one token, not
+    streamed (its `n` samples are decode's to draw; the prompt is computed once)."""
     out = {k: v for k, v in body.items()
            if k not in ("max_completion_tokens", "stream_options", "min_tokens")}
-    out.update({"max_tokens": 1, "stream": False, **overrides})
+    out.update({"max_tokens": 1, "stream": False, "n": 1, **overrides})
     return out
 
 

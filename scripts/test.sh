@@ -18,7 +18,8 @@ fi
 bash scripts/setup-vllm023.sh
 # The tests of our connectors, which must also load in vLLM 0.23's engines (as
 # kv_both and ec_both too: the role switches).
-connector_e2e=(tests/e2e/test_kv_handoff.py tests/e2e/test_epd_cpu.py tests/e2e/test_role_switch.py)
+connector_e2e=(tests/e2e/test_kv_handoff.py tests/e2e/test_epd_cpu.py tests/e2e/test_fingerprint.py
+              tests/e2e/test_role_switch.py)
 
 timings=()
 part() {  # part NAME COMMAND...: runs COMMAND under a heading, noting its time and outcome

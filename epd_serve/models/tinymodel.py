@@ -46,28 +46,53 @@ BPE_VOCAB = 2000
 # check that compares answers can see a wrong feature or KV block. At 0.1, untied,
 # answers follow the prompt and the pixels (tests/unit/models/test_tinymodel.py).
 TEXT_INIT_STD = 0.1
-# Written into epd_tiny_model.json: a model directory built by an older builder (whose
-# answers did not depend on their input) is built again by the launcher.
-BUILDER_VERSION = 2
+# Written into epd_tiny_model.json: a model directory built by an older builder is
+# built again by the launcher (2: answers that follow their input; 3: a chat template
+# that renders tools).
+BUILDER_VERSION = 3
 
 # Qwen2-VL's chat template, reduced to what the serving paths use: system/user/assistant
-# turns whose content is a string or a list of text / image / video parts.
+# turns whose content is a string or a list of text / image / video parts, and tools as
+# Qwen2.5 renders them (hermes style: the functions in <tools></tools> in the system
+# turn, calls in <tool_call></tool_call>, results in <tool_response></tool_response>),
+# so that vLLM's hermes tool parser serves this model as it serves Qwen's.
+TOOLS_PREAMBLE = (
+    "\n\n# Tools\n\nYou may call one or more functions to assist with the user query."
+    "\n\nYou are provided with function signatures within <tools></tools> XML tags:"
+    "\n<tools>")
+TOOLS_POSTAMBLE = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": "
+    "<function-name>, \"arguments\": <args-json-object>}\n</tool_call>")
 CHAT_TEMPLATE = (
     "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
-    "{% for message in messages %}"
-    "{% if loop.first and message['role'] != 'system' %}"
-    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
-    "<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
-    "{% else %}{% for content in message['content'] %}"
-    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% macro render(content) %}{% if content is string %}{{ content }}"
+    "{% elif content %}{% for part in content %}"
+    "{% if part['type'] == 'image' or 'image' in part or 'image_url' in part %}"
     "{% set image_count.value = image_count.value + 1 %}"
     "<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "{% elif part['type'] == 'video' or 'video' in part %}"
     "{% set video_count.value = video_count.value + 1 %}"
     "<|vision_start|><|video_pad|><|vision_end|>"
-    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}"
-    "{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% elif 'text' in part %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}{% endmacro %}"
+    "{% if tools or messages[0]['role'] != 'system' %}<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ render(messages[0]['content']) }}"
+    "{% else %}You are a helpful assistant.{% endif %}"
+    "{% if tools %}" + TOOLS_PREAMBLE +
+    "{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}" + TOOLS_POSTAMBLE +
+    "{% endif %}<|im_end|>\n{% endif %}"
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] == 'system' and tools %}"
+    "{% elif message['role'] == 'tool' %}"
+    "<|im_start|>user\n<tool_response>\n{{ render(message['content']) }}"
+    "\n</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ message['role'] }}\n{{ render(message['content']) }}"
+    "{% for call in message.get('tool_calls') or [] %}"
+    "{% set call = call['function'] if call['function'] is defined else call %}"
+    "\n<tool_call>\n{\"name\": \"{{ call['name'] }}\", \"arguments\": "
+    "{{ call['arguments'] if call['arguments'] is string else call['arguments'] | tojson }}"
+    "}\n</tool_call>{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 

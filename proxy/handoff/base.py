@@ -50,6 +50,10 @@ class Handoff(ABC):
     # refuses any other (request.py): the rest say where KV goes.
     client_kv_keys: ClassVar[frozenset[str]] = frozenset()
     fault_kv_keys: ClassVar[frozenset[str]] = frozenset()
+    # Whether decode draws a request's `n` samples from its one transfer (prefill is
+    # sent `n: 1`); where not, the proxy sends each sample as a request of its own
+    # (fanout.py).
+    decode_samples: ClassVar[bool] = False
 
     @classmethod
     def allowed_client_keys(cls, fault_injection: bool) -> frozenset[str]:

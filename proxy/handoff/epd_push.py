@@ -50,6 +50,7 @@ class EPDPush(Handoff):
     name = "epd"
     client_kv_keys = frozenset({MODE_KEY})
     fault_kv_keys = frozenset({FAULT_KEY})
+    decode_samples = True  # its samples share the transfer (connectors/epd_kv/scheduler.py)
 
     async def complete(self, path, body, trip, prefill):
         async def decode(request):

@@ -5,11 +5,15 @@ Runs as ec_producer (encoder: stores), ec_consumer (prefill, decode: loads) or e
 
 Loaded in every vLLM process through `ec_connector_module_path` (API server for its
 stats classes, engine core for the scheduler side, workers for the worker side). A
-thin facade: each call goes to `EPDECScheduler` or `EPDECWorker`.
+thin facade: each call goes to `EPDECScheduler` or `EPDECWorker`. An exception of the
+scheduler side's own code (a bug of ours) does not leave it into vLLM's step: it is
+logged with the request, counted (`epd_ec_features_total{event="internal_error"}`) and
+costs that request (it fails, and the proxy sends it again), never the engine.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorBase, ECConnectorRole
@@ -19,6 +23,8 @@ from epd_serve.connectors.epd_ec.scheduler import ECStep, EPDECScheduler
 from epd_serve.connectors.epd_ec.settings import Settings
 from epd_serve.connectors.epd_ec.stats import EPDECPromMetrics, EPDECStats
 from epd_serve.connectors.spans import ConnectorSpans
+
+log = logging.getLogger("vllm.epd_serve.ec")
 
 
 class EPDECConnector(ECConnectorBase):
@@ -50,27 +56,56 @@ class EPDECConnector(ECConnectorBase):
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         return EPDECPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
+    def _own_error(self, what: str, request=None) -> None:
+        whose = f" of request {request.request_id}" if request is not None else ""
+        log.exception("epd-ec: internal error %s%s; it costs %s, not the engine", what,
+                      whose, "that request" if request is not None else "this step")
+        self.scheduler.recorder.count("internal_error")
+
     # -- scheduler side --------------------------------------------------------------
     def ensure_cache_available(self, request, num_computed_tokens: int) -> bool:
-        return self.scheduler.ensure_cache_available(request, num_computed_tokens)
+        try:
+            return self.scheduler.ensure_cache_available(request, num_computed_tokens)
+        except Exception as err:
+            self._own_error("deciding on its features", request)
+            self.scheduler.fail_request(request, repr(err))
+            return False
 
     def has_cache_item(self, identifier: str) -> bool:
-        return self.scheduler.has_cache_item(identifier)
+        try:
+            return self.scheduler.has_cache_item(identifier)
+        except Exception:
+            self._own_error(f"looking up {identifier}")
+            return False  # vLLM encodes it
 
     def update_state_after_alloc(self, request, index: int) -> None:
-        self.scheduler.update_state_after_alloc(request, index)
+        try:
+            self.scheduler.update_state_after_alloc(request, index)
+        except Exception:
+            self._own_error(f"loading feature {index}", request)
 
     def build_connector_meta(self, scheduler_output) -> ECStep:
-        return self.scheduler.build_connector_meta(scheduler_output)
+        try:
+            return self.scheduler.build_connector_meta(scheduler_output)
+        except Exception as err:
+            self._own_error("planning the step")
+            return self.scheduler.abandon_step(repr(err))
 
     def take_unavailable_requests(self) -> set[str]:
         return self.scheduler.take_unavailable_requests()
 
     def update_connector_output(self, connector_output) -> None:
-        self.scheduler.update_connector_output(connector_output)
+        try:
+            self.scheduler.update_connector_output(connector_output)
+        except Exception:
+            self._own_error("reading the workers' counts")
 
     def request_finished(self, request):
-        return self.scheduler.request_finished(request)
+        try:
+            return self.scheduler.request_finished(request)
+        except Exception:
+            self._own_error("finishing", request)
+            return False, None
 
     def get_ec_connector_stats(self):
         side = self.scheduler or self.worker

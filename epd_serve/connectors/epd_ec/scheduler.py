@@ -57,6 +57,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorMetadata
 
 from epd_serve.connectors import compat, feature_gate
 from epd_serve.connectors.compat import PlaceholderMetadataResolver, collect_ec_item_metadata
+from epd_serve.connectors.epd_ec.form import FeatureForm
 from epd_serve.connectors.epd_ec.loader import Feature, FeatureLoader
 from epd_serve.connectors.epd_ec.settings import Settings
 from epd_serve.connectors.epd_ec.stats import LoggedCounts, Recorder
@@ -111,6 +112,7 @@ class EPDECScheduler:
         self._vllm_config = vllm_config
         self.settings = settings
         self.resolver = PlaceholderMetadataResolver(vllm_config.model_config)
+        self.form = FeatureForm.of(vllm_config.model_config)
         self.recorder = Recorder()
         self._logged = None if compat.EC_STATS else LoggedCounts(self.recorder, "scheduler")
         self.store: FeatureStore | None = None
@@ -213,12 +215,10 @@ class EPDECScheduler:
             if item.error:
                 return f"could not be read from the MM Store ({item.error})"
             return "not in the MM Store"
-        meta = item.result[1]
-        if not meta.shape or meta.shape[0] != num_embeds:
-            # Another feature under this key would stop the model that is fed it.
-            return (f"has shape {meta.shape} in the MM Store, the request needs "
-                    f"{num_embeds} embeddings")
-        return None
+        data, meta = item.result
+        # Another image's feature, or a torn or foreign entry, would stop the model (or
+        # the worker turning its bytes into a tensor) that is fed it.
+        return self.form.mismatch(meta, int(data.nbytes), num_embeds)
 
     def _hold(self, decided: dict, key: str, item: Feature) -> None:
         if key not in self._held:  # a new copy: count its read once
@@ -337,6 +337,20 @@ class EPDECScheduler:
         self._claims.clear()
         if self._logged is not None:
             self._logged.tick()
+        step = ECStep(loads=self._loads, publish=self._publish, store_as=self._store_as)
+        self._loads, self._publish, self._store_as = {}, {}, {}
+        return step
+
+    def fail_request(self, request, why: str) -> None:
+        """A request the calls above could not decide on (a bug of ours): it fails
+        alone, as one whose feature is missing does (the proxy sends it again)."""
+        self._fail(request.request_id, "?", why)
+
+    def abandon_step(self, why: str) -> ECStep:
+        """The step's plan where building it failed (a bug of ours): what was ready to
+        load, publish and store still goes, so no request finds a promised feature
+        missing from the encoder cache."""
+        log.error("epd-ec: the step's plan was built from what was pending: %s", why)
         step = ECStep(loads=self._loads, publish=self._publish, store_as=self._store_as)
         self._loads, self._publish, self._store_as = {}, {}, {}
         return step

@@ -31,7 +31,7 @@ from epd_serve.connectors.compat import (
 )
 
 EVENTS = ("saved", "not_saved", "loaded", "prefetched", "prefetch_late", "on_demand",
-          "encoded_locally", "unavailable")
+          "encoded_locally", "unavailable", "internal_error")
 SERIES = ("put_bytes", "put_s", "get_bytes", "get_s", "overlap")
 LOG_INTERVAL_S = 10.0
 

@@ -6,11 +6,16 @@ Runs as kv_producer (prefill: sends), kv_consumer (decode: receives) or kv_both
 Loaded in every vLLM process through `kv_connector_module_path` (API server for its
 stats classes, engine core for the scheduler side, workers for the worker side). A
 thin facade: each call goes to `EPDKVScheduler` or `EPDKVWorker`; nothing here touches
-a device or the network at import time.
+a device or the network at import time. No exception of ours leaves it into vLLM's step:
+one (a bug of ours) is logged with the request it happened for, counted
+(`epd_kv_internal_errors_total`), and costs that request its transfer (decode then
+computes the prompt) or, where no single request is at fault, that step's transfers;
+never the engine.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
@@ -20,6 +25,8 @@ from epd_serve.connectors.epd_kv.metadata import StepPlan
 from epd_serve.connectors.epd_kv.scheduler import EPDKVScheduler
 from epd_serve.connectors.epd_kv.settings import KV_ROLES, SENDING_ROLES, Settings
 from epd_serve.connectors.epd_kv.stats import EPDKVPromMetrics, EPDKVStats
+
+logger = logging.getLogger("vllm.epd_serve.kv.connector")
 
 
 class EPDKVConnector(KVConnectorBase_V1):
@@ -75,21 +82,51 @@ class EPDKVConnector(KVConnectorBase_V1):
         extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
         return compat.kv_cache_layout_request(Settings.from_extra_config(extra).kv_cache_layout)
 
+    def _own_error(self, what: str, request=None) -> None:
+        """Log (with its traceback) and count an exception of our own code."""
+        whose = f" of request {request.request_id}" if request is not None else ""
+        logger.exception("epd-kv: internal error %s%s; it costs %s, not the engine", what,
+                         whose, "that request its transfer" if request is not None
+                         else "this step's transfers")
+        if self.scheduler is not None:
+            self.scheduler.internal_errors += 1
+        elif self.worker is not None:
+            self.worker.stats.record("internal_errors")
+
     # -- scheduler side --------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
-        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        try:
+            return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        except Exception:
+            self._own_error("deciding where the prompt's KV comes from", request)
+            return 0, False  # computed here
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
-        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        try:
+            self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        except Exception as err:
+            self._own_error("planning the transfer", request)
+            self.scheduler.fail_receive(request, blocks, num_external_tokens, repr(err))
 
     def build_connector_meta(self, scheduler_output):
-        return self.scheduler.build_connector_meta(scheduler_output)
+        try:
+            return self.scheduler.build_connector_meta(scheduler_output)
+        except Exception as err:
+            self._own_error("planning the step")
+            return self.scheduler.abandon_step(scheduler_output, repr(err))
 
     def update_connector_output(self, connector_output):
-        self.scheduler.update_connector_output(connector_output)
+        try:
+            self.scheduler.update_connector_output(connector_output)
+        except Exception:
+            self._own_error("reading the workers' reports")
 
     def request_finished(self, request, block_ids):
-        return self.scheduler.request_finished(request, block_ids)
+        try:
+            return self.scheduler.request_finished(request, block_ids)
+        except Exception:
+            self._own_error("finishing", request)
+            return False, None
 
     def has_pending_push_work(self) -> bool:
         return self.scheduler.has_pending_push_work()
@@ -102,7 +139,11 @@ class EPDKVConnector(KVConnectorBase_V1):
         super().bind_connector_metadata(connector_metadata)
         # Before the forward pass: decode reserves at once, prefill plans its writes.
         if isinstance(connector_metadata, StepPlan):
-            self.worker.begin_step(connector_metadata)
+            try:
+                self.worker.begin_step(connector_metadata)
+            except Exception as err:
+                self._own_error("starting the step")
+                self.worker.fail_step(f"starting the step failed: {err!r}")
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         pass  # prefill writes into our memory; nothing to pull
@@ -111,11 +152,19 @@ class EPDKVConnector(KVConnectorBase_V1):
         pass
 
     def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
-        self.worker.layer_saved(layer_name)
+        try:
+            self.worker.layer_saved(layer_name)
+        except Exception as err:
+            self._own_error(f"queueing the writes of {layer_name}")
+            self.worker.fail_step(f"queueing the writes of {layer_name} failed: {err!r}")
 
     def wait_for_save(self) -> None:
         # Writes continue in the background; blocks stay pinned until they end.
-        self.worker.forward_done()
+        try:
+            self.worker.forward_done()
+        except Exception as err:
+            self._own_error("ending the step's writes")
+            self.worker.fail_step(f"ending the step's writes failed: {err!r}")
 
     # Whichever of the two vLLM calls after a step decides how failed receives are
     # told (both end in the same recompute): vLLM 0.32+ takes them by request id;

@@ -73,6 +73,9 @@ class RecvPlan:
     block_ids: list[int]  # where prompt blocks first_block, first_block+1, ... land
     first_block: int  # blocks before it are this engine's own prefix-cache hits
     num_tokens: int  # prompt tokens
+    # Set: the scheduler side could not plan this receive (a bug of ours); the worker
+    # fails it at once, without asking prefill, and decode computes the prompt.
+    error: str = ""
 
 
 @dataclasses.dataclass

@@ -24,6 +24,9 @@ class StepPlan(KVConnectorMetadata):
     preempted: list[str] = dataclasses.field(default_factory=list)  # request ids
     recvs: list[RecvPlan] = dataclasses.field(default_factory=list)
     num_tokens: int = 0  # tokens computed in this step, all requests together
+    # Exceptions of the scheduler side's own code since the last step, for the workers
+    # to count (the scheduler side has no stats of its own).
+    internal_errors: int = 0
 
 
 # -- worker -> scheduler (same engine) ------------------------------------------

@@ -99,6 +99,11 @@ class Receiver:
     # -- the model's thread -------------------------------------------------
     def reserve(self, plan: msg.RecvPlan) -> None:
         address = f"{plan.prefill_host}:{plan.prefill_port + self.rank}"
+        if plan.error:
+            now = time.monotonic()
+            with self._lock:
+                self._conclude(Incoming(plan, address, now, now), "failed", plan.error)
+            return
         if not plan.block_ids:
             # Nothing to receive (decode had the prompt cached): let prefill free its
             # blocks now rather than at its reservation timeout.
@@ -107,6 +112,15 @@ class Receiver:
         now = time.monotonic()
         deadline = now + self.settings.receive_timeout_s(len(plan.block_ids) * self._block_bytes)
         with self._lock:
+            current = self._incoming.get(plan.transfer_id)
+            if current is not None and not current.resolved:
+                # Another request receives this transfer: one transfer fills one set
+                # of blocks, so this one computes its prompt itself (the first keeps
+                # its transfer; nothing is overwritten or left waiting).
+                self._conclude(Incoming(plan, address, now, deadline), "failed",
+                               f"transfer {plan.transfer_id} is already received by "
+                               f"request {current.plan.request_id}")
+                return
             peer = self._peers.setdefault(address, Peer())
             if not any(i.address == address and not i.resolved for i in self._incoming.values()):
                 # Nothing was pending with it, so nothing was pinged: its silence so far
@@ -134,7 +148,8 @@ class Receiver:
         with self._lock:
             ready, self._ready = self._ready, []
             for incoming in ready:
-                self._incoming.pop(incoming.plan.transfer_id, None)
+                if self._incoming.get(incoming.plan.transfer_id) is incoming:
+                    del self._incoming[incoming.plan.transfer_id]
         finished = {i.plan.request_id for i in ready}
         failed = {i.plan.request_id for i in ready if i.outcome == "failed"}
         reports = {i.plan.request_id: self._report(i) for i in ready}

@@ -20,6 +20,14 @@ touch the network (workers do that).
   prefill); one with both is refused. Sends and receives of different requests run
   side by side, in the same steps.
 
+One transfer is received by one request and sent by one: vLLM's `n` samples of a
+prompt reach decode as `n` requests carrying the prompt's one transfer (the proxy sends
+prefill `n: 1`). The first of them to be scheduled receives the KV; its siblings wait
+until it is in this engine's prefix cache, then compute only what the cache lacks (the
+prompt's last, partial block), as one engine's samples share their prompt; they answer
+with its transfer report. A second request sending a transfer another one sends is
+refused (computed, nothing sent).
+
 A request's parameters are read through protocols/epd_push.py's structs. Ones that do
 not match (decode's `remote_port` missing, a renamed key, an `epd_v` this connector does
 not know) are refused loudly: an ERROR log naming the field, no transfer, and the
@@ -32,6 +40,7 @@ reading the report, is the one that fails it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
 from typing import Any, TypeVar
@@ -49,6 +58,18 @@ from epd_serve.protocols.params import ParamsError, from_dict, to_dict
 
 logger = logging.getLogger("vllm.epd_serve.kv.scheduler")
 P = TypeVar("P", DecodeParams, PrefillParams)
+
+
+@dataclasses.dataclass
+class SharedReceive:
+    """The requests of one transfer on decode: the holder receives it, the siblings
+    (vLLM's other samples of the prompt) wait until its KV is in the prefix cache."""
+
+    transfer_id: str
+    holder: str
+    members: set[str] = dataclasses.field(default_factory=set)  # not finished yet
+    landed: bool = False  # the holder ran (its KV cached here) or finished
+    report: dict[str, Any] | None = None  # the holder's transfer report
 
 
 class EPDKVScheduler:
@@ -71,6 +92,10 @@ class EPDKVScheduler:
         self._unreleased: set[str] = set()  # finished, blocks pinned until the workers say
         self._recvs: list[msg.RecvPlan] = []
         self._receiving: set[str] = set()  # decode requests whose transfer is reserved
+        self._shared: dict[str, SharedReceive] = {}  # by transfer id
+        self._shares: dict[str, str] = {}  # request id -> the transfer it receives (with)
+        self._send_ids: dict[str, str] = {}  # transfer id -> the request sending it
+        self.internal_errors = 0  # exceptions of our own code since the last step
         self._reports: dict[str, dict[str, Any]] = {}
         # request id -> the report of parameters refused, returned when it finishes
         self._refused: dict[str, dict[str, Any]] = {}
@@ -131,19 +156,41 @@ class EPDKVScheduler:
     def _remote_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         """Decode: the prompt's tokens past this engine's own prefix hit come from the
         prefill instance, asynchronously."""
-        if self._read(request, DecodeParams) is None:
+        wanted = self._read(request, DecodeParams)
+        if wanted is None:
             # Refused: computed here (no call fails it), the proxy fails it on the report.
             request.kv_transfer_params["do_remote_prefill"] = False
             return 0, False
+        shared = self._shared.setdefault(
+            wanted.transfer_id, SharedReceive(wanted.transfer_id, request.request_id))
+        shared.members.add(request.request_id)
+        self._shares[request.request_id] = wanted.transfer_id
+        if shared.holder != request.request_id:
+            return self._sibling_tokens(request, shared)
         count = len(request.prompt_token_ids or []) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
+
+    @staticmethod
+    def _sibling_tokens(request, shared: SharedReceive) -> tuple[int | None, bool]:
+        """A sibling of the transfer's holder: None (stay waiting) until the holder's KV
+        is in the prefix cache; then nothing remote, vLLM's prefix hit takes it."""
+        if not shared.landed:
+            return None, False
+        request.kv_transfer_params["do_remote_prefill"] = False
+        return 0, False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         hand_off = self._hand_off(request)
         if hand_off == "send":
             sent = self._read(request, PrefillParams)
-            if sent is not None:
-                self._sending[request.request_id] = (request, sent)
+            if sent is None:
+                return
+            owner = self._send_ids.setdefault(sent.transfer_id, request.request_id)
+            if owner != request.request_id:
+                self._refuse(request, "prefill", f"transfer {sent.transfer_id} is sent by "
+                             f"request {owner} already")
+                return
+            self._sending[request.request_id] = (request, sent)
         elif hand_off == "receive":
             self._reserve(request, blocks, num_external_tokens)
 
@@ -169,11 +216,36 @@ class EPDKVScheduler:
             first_block=(prompt_len - num_external_tokens) // self.block_size,
             num_tokens=prompt_len))
 
+    def fail_receive(self, request, blocks, num_external_tokens: int, why: str) -> None:
+        """Decode: a receive the calls above could not plan (a bug of ours). The blocks
+        vLLM allocated for it go to the worker marked failed, which reports the receive
+        failed at once: decode computes the prompt, nothing waits for a transfer."""
+        block_ids = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
+        self._receiving.discard(request.request_id)
+        if block_ids:
+            self._recvs.append(msg.RecvPlan(request.request_id, "", "", 0, block_ids, 0, 0,
+                                            error=f"the scheduler could not plan it: {why}"))
+
+    def abandon_step(self, scheduler_output, why: str) -> StepPlan:
+        """The plan of a step whose planning failed (a bug of ours): its writes are not
+        planned (their transfers fail when their requests finish, and decode computes
+        those prompts), the reservations it would have sent fail at once, and the
+        finished sends still reach the workers, so no block stays pinned."""
+        failed = [dataclasses.replace(r, error=f"the step could not be planned: {why}")
+                  if r.block_ids else r for r in self._recvs]
+        plan = StepPlan(recvs=failed, finished_sends=self._finished_sends,
+                        num_tokens=scheduler_output.total_num_scheduled_tokens,
+                        internal_errors=self.internal_errors)
+        self._recvs, self._finished_sends, self.internal_errors = [], [], 0
+        return plan
+
     # -- every step -----------------------------------------------------------
     def build_connector_meta(self, scheduler_output) -> StepPlan:
         plan = StepPlan(recvs=self._recvs, finished_sends=self._finished_sends,
-                            num_tokens=scheduler_output.total_num_scheduled_tokens)
-        self._recvs, self._finished_sends = [], []
+                        num_tokens=scheduler_output.total_num_scheduled_tokens,
+                        internal_errors=self.internal_errors)
+        self._recvs, self._finished_sends, self.internal_errors = [], [], 0
+        self._note_holders_running(scheduler_output)
         track_block_ids(self._block_ids, scheduler_output, self._sending)
         for request_id, count in scheduler_output.num_scheduled_tokens.items():
             sending = self._sending.get(request_id)
@@ -200,6 +272,16 @@ class EPDKVScheduler:
             self._shipped.pop(request_id, None)  # prefilled (and shipped) again from 0
         return plan
 
+    def _note_holders_running(self, scheduler_output) -> None:
+        """A holder scheduled to run has its received KV in the prefix cache (vLLM
+        caches it before scheduling): its siblings may go."""
+        if not self._shared:
+            return
+        for new in scheduler_output.scheduled_new_reqs:
+            shared = self._shared.get(self._shares.get(new.req_id, ""))
+            if shared is not None and shared.holder == new.req_id:
+                shared.landed = True
+
     def update_connector_output(self, connector_output) -> None:
         for request_id in connector_output.finished_sending or ():
             self._unreleased.discard(request_id)
@@ -214,6 +296,9 @@ class EPDKVScheduler:
             # Reports of requests already finished (aborted) have nobody to go to.
             if request_id in self._receiving:
                 self._reports[request_id] = stats
+            shared = self._shared.get(self._shares.get(request_id, ""))
+            if shared is not None and shared.holder == request_id:
+                shared.report = stats  # what its siblings answer with
 
     def _record_span(self, headers: Mapping[str, str], stats: dict[str, Any],
                      times: dict[str, Any]) -> None:
@@ -246,6 +331,7 @@ class EPDKVScheduler:
         """Prefill: the request's blocks stay pinned until the workers say no write of
         its KV runs any more."""
         aborted = request.status.name not in ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
+        self._send_ids.pop(sent.transfer_id, None)
         self._finished_sends.append(msg.FinishedSend(request.request_id, sent.transfer_id,
                                                      aborted))
         self._unreleased.add(request.request_id)
@@ -255,8 +341,11 @@ class EPDKVScheduler:
         """Decode (or a request computed here on an instance that receives): the
         transfer's report, or the refusal of its parameters, for the answer."""
         params = request.kv_transfer_params or {}
-        if params.get("do_remote_prefill"):
-            # Aborted before blocks were allocated: prefill must not wait for us.
+        shared = self._shared.get(self._shares.get(request.request_id, ""))
+        sibling = shared is not None and shared.holder != request.request_id
+        if params.get("do_remote_prefill") and not sibling:
+            # Aborted before blocks were allocated: prefill must not wait for us. (Not a
+            # sibling's: the transfer is its holder's to cancel.)
             params["do_remote_prefill"] = False
             wanted = self._read(request, DecodeParams)
             if wanted is not None:
@@ -265,12 +354,39 @@ class EPDKVScheduler:
                     wanted.remote_port, [], 0, 0))
             else:
                 refused = self._refused.pop(request.request_id, None)
+        self._drop_pending_reservation(request)
         self._receiving.discard(request.request_id)
         self._trace_headers.pop(request.request_id, None)
-        report = self._reports.pop(request.request_id, None)
+        holders_report = self._leave_shared(request)
+        report = self._reports.pop(request.request_id, None) or holders_report
         if refused is not None:
             return False, refused
         return False, ({REPORT_KEY: self._versioned(report)} if report else None)
+
+    def _drop_pending_reservation(self, request) -> None:
+        """A reservation not yet handed to the workers goes with its finished request:
+        its blocks are vLLM's again, nothing may be written into them. Prefill, which
+        would wait for it, is told the transfer is off (an empty reservation)."""
+        pending = [r for r in self._recvs if r.request_id == request.request_id]
+        if not pending:
+            return
+        self._recvs = [r for r in self._recvs if r.request_id != request.request_id]
+        self._recvs += [dataclasses.replace(r, block_ids=[], first_block=0, num_tokens=0)
+                        for r in pending if r.block_ids and not r.error]
+
+    def _leave_shared(self, request) -> dict[str, Any] | None:
+        """A finished request leaves its transfer's group (a holder that finishes lets
+        its siblings go); a sibling answers with the holder's report."""
+        shared = self._shared.get(self._shares.pop(request.request_id, ""))
+        if shared is None:
+            return None
+        shared.members.discard(request.request_id)
+        if shared.holder == request.request_id:
+            shared.landed = True
+        if not shared.members:
+            del self._shared[shared.transfer_id]
+        return dict(shared.report) if shared.report and shared.holder != request.request_id \
+            else None
 
     @staticmethod
     def _versioned(stats: dict[str, Any]) -> dict[str, Any]:

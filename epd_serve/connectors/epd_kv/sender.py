@@ -117,6 +117,9 @@ class Sender:
     def forward_done(self) -> None:
         self.steps.forward_done()
 
+    def fail_step(self, reason: str) -> None:
+        self.steps.fail_step(reason)
+
     def take_finished(self) -> set[str]:
         """Requests whose blocks can be freed: finished, and nothing in flight."""
         return self.table.take_finished()

@@ -74,6 +74,12 @@ class DecodeMessages:
             if not error and ended is not None and ended.outcome is not None:
                 how = f"{ended.outcome}: {ended.reason}" if ended.reason else ended.outcome
                 error = f"transfer {res.transfer_id} already ended on this prefill ({how})"
+            if not error and out is not None and out.reservation is not None \
+                    and out.reservation != res:
+                # One transfer, one set of blocks: a second reservation (another decode
+                # request naming the same transfer) is refused, and that request
+                # computes its prompt itself; the first keeps its blocks.
+                error = f"transfer {res.transfer_id} is already reserved by {out.peer}"
             if not error:
                 out = table.transfers.setdefault(res.transfer_id, Outgoing(res.transfer_id))
                 out.reservation, out.peer = res, peer

@@ -44,18 +44,27 @@ class StepHooks:
         self._logged_plan: tuple[int, ...] = ()
 
     def begin_step(self, plan: "StepPlan") -> None:
-        self._chunks = list(plan.sends)
+        self._chunks = []
         self._step_tokens = plan.num_tokens
         self._groups = {}
         self._last_layer_at = None
         self._step_start = None
         table = self.table
         with table.lock:
-            for chunk in self._chunks:
+            for chunk in plan.sends:
                 out = table.record(chunk.transfer_id)
+                if out.request_id not in (None, chunk.request_id):
+                    # Two requests naming one transfer: the scheduler refuses the second
+                    # (scheduler.py), so this is a bug of ours; it costs that chunk's
+                    # transfer (decode recomputes), never the step.
+                    logger.error("epd-kv: request %s names transfer %s, which request %s "
+                                 "sends: not sent", chunk.request_id, chunk.transfer_id,
+                                 out.request_id)
+                    continue
                 out.request_id = chunk.request_id
                 out.mode = chunk.mode or self.settings.mode
                 out.fault = chunk.fault if self.settings.fault_injection else None
+                self._chunks.append(chunk)
             for finished in plan.finished_sends:
                 table.finish(finished)
         for request_id in plan.preempted:
@@ -99,8 +108,8 @@ class StepHooks:
         table = self.table
         with table.lock:
             for chunk in self._chunks:
-                out = table.transfers[chunk.transfer_id]
-                if chunk.is_last:
+                out = table.transfers.get(chunk.transfer_id)
+                if out is not None and chunk.is_last:
                     # On a device only the pass's queueing ended: the submit thread moves
                     # this to when the last layer's event completes (`Submitter._timed`),
                     # unless it has already (the device was done before this hook ran).
@@ -116,16 +125,30 @@ class StepHooks:
             self._step_start = StepStart(self.mark(), self._step_tokens)
             return
         with self.table.lock:
-            for chunk in self._chunks:
-                out = self.table.transfers[chunk.transfer_id]
+            for out in self._records():
                 if out.first_layer_at is None:
                     out.first_layer_at = now
 
     def _mark(self) -> Event | None:
         return self.mark() if self.mark is not None else None
 
+    def fail_step(self, reason: str) -> None:
+        """The step's hooks failed part-way (a bug of ours): its transfers fail, rather
+        than settle as done with layers never queued; decode computes those prompts."""
+        with self.table.lock:
+            for out in self._records():
+                self.table.fail(out, reason)
+                out.all_queued = True
+                self.table.settle(out)
+        self._chunks = []
+
+    def _records(self) -> list:
+        """The records of this step's chunks that still exist, in chunk order."""
+        found = (self.table.transfers.get(c.transfer_id) for c in self._chunks)
+        return [out for out in found if out is not None]
+
     def _plan_step(self) -> None:
-        modes = {self.table.transfers[c.transfer_id].mode for c in self._chunks}
+        modes = {out.mode for out in self._records()}
         for mode in modes:
             if mode == "group" and self.settings.group_size == "auto":
                 self._groups[mode] = self._fitted_plan(mode)
@@ -134,7 +157,8 @@ class StepHooks:
                 self._groups[mode] = plan_groups(self.num_layers, mode, size)
 
     def _fitted_plan(self, mode: str) -> list[tuple[int, int]]:
-        chunks = [c for c in self._chunks if self.table.transfers[c.transfer_id].mode == mode]
+        chunks = [c for c in self._chunks
+                  if getattr(self.table.transfers.get(c.transfer_id), "mode", None) == mode]
         tokens = sum(c.end - c.start for c in chunks)
         layer_bytes = sum(c.end_block - c.first_block for c in chunks) * self.layouts[0].block_bytes
         link = self.table.link_cost.model
@@ -155,8 +179,8 @@ class StepHooks:
             if chunk.first_block >= chunk.end_block:
                 continue  # every block this chunk wrote into is filled by a later one
             with self.table.lock:
-                out = self.table.transfers[chunk.transfer_id]
-                if out.mode != mode:
+                out = self.table.transfers.get(chunk.transfer_id)
+                if out is None or out.mode != mode:
                     continue
                 out.queued += 1
             self.table.jobs.put(Job(chunk.transfer_id, first, last, chunk.first_block,

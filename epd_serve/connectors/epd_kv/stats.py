@@ -20,7 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 _KEYS = ("sent_bytes", "busy_s", "exposed_s", "groups", "send_failures",
-         "received", "receive_failures")
+         "received", "receive_failures", "internal_errors")
 
 
 @dataclasses.dataclass
@@ -77,6 +77,7 @@ class EPDKVStats(KVConnectorStats):
             "send failures": len(self.data["send_failures"]),
             "transfers received": len(self.data["received"]),
             "receive failures (recomputed)": len(self.data["receive_failures"]),
+            "internal errors": len(self.data.get("internal_errors", [])),
         }
 
 
@@ -107,6 +108,11 @@ class EPDKVPromMetrics(KVConnectorPromMetrics):
             buckets=[0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1],
             documentation="Part of one request's KV transfer not hidden behind the "
                           "prefill forward pass."))
+        self._internal = self._counter_cls(
+            name="epd_kv_internal_errors_total", labelnames=labelnames,
+            documentation="Exceptions of the epd connector's own code (a bug of ours), "
+                          "each of which cost the request or step it happened in, never "
+                          "the engine; the log names the request.")
         self._groups = per_engine(self._histogram_cls(
             name="epd_kv_groups", labelnames=labelnames, buckets=[1, 2, 4, 8, 16, 32, 64, 128],
             documentation="Writes (layer groups x prefill chunks) per request."))
@@ -127,3 +133,5 @@ class EPDKVPromMetrics(KVConnectorPromMetrics):
             self._failures.labels(*labels, "send").inc()
         for _ in data.get("receive_failures", []):
             self._failures.labels(*labels, "receive").inc()
+        for _ in data.get("internal_errors", []):
+            self._internal.labels(*labels).inc()

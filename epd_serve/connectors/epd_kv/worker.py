@@ -115,6 +115,8 @@ class EPDKVWorker:
 
     # -- per step ---------------------------------------------------------------
     def begin_step(self, plan: StepPlan) -> None:
+        for _ in range(plan.internal_errors):
+            self.stats.record("internal_errors")
         if self.sender is not None:
             self.sender.begin_step(plan)
         if self.receiver is not None:
@@ -130,6 +132,12 @@ class EPDKVWorker:
     def forward_done(self) -> None:
         if self.sender is not None:
             self.sender.forward_done()
+
+    def fail_step(self, reason: str) -> None:
+        """This step's hooks raised: the transfers it was writing fail (decode
+        recomputes) instead of settling with layers missing."""
+        if self.sender is not None:
+            self.sender.fail_step(reason)
 
     def transfer_results(self, finished_req_ids: set[str]) -> TransferResults:
         """The sender's finished sends and the receiver's results, merged: a kv_both

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from epd_serve.models.tinymodel import HIDDEN
+
 from ...ports import free_port_block
 
 REPO = Path(__file__).resolve().parents[3]
@@ -45,7 +47,7 @@ def test_prefill_loads_a_stored_feature_instead_of_encoding_it(scheduled):
     stored = scheduled["prefill_stored"]
     assert stored["encoded"] == [], "prefill ran its vision encoder for a stored feature"
     assert stored["loaded"] == ["stored"]
-    assert stored["loaded_rows"] == {"stored": [16, 32]}
+    assert stored["loaded_rows"] == {"stored": [16, HIDDEN]}
 
 
 def test_prefill_encodes_a_feature_the_store_lacks(scheduled):

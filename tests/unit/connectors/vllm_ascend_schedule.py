@@ -134,7 +134,7 @@ def main() -> int:
     import numpy as np
     from vllm.v1.core.sched import scheduler as vllm_scheduler
 
-    from epd_serve.models.tinymodel import build_tiny_model
+    from epd_serve.models.tinymodel import HIDDEN, build_tiny_model
     from epd_serve.mmstore import FeatureMeta, StoreSpec, open_store
     from epd_serve.mmstore.service import StartedStore
 
@@ -142,7 +142,7 @@ def main() -> int:
     spec = StoreSpec(backend="shm", port=base, metrics_port=base + 1, capacity_bytes=64 << 20,
                      name=f"ascend-sched-{os.getpid()}")
     model_dir = build_tiny_model("qwen2_vl", workdir / "model")
-    hidden = 32
+    hidden = HIDDEN  # the vision encoder's output width: a feature the model can take
     feature = np.arange(EMBEDS * hidden, dtype=np.float32)
     meta = FeatureMeta((EMBEDS, hidden), "float32", {"image_grid_thw": [1, 8, 8]})
     result: dict = {"scheduler": f"{vllm_scheduler.Scheduler.__module__}."
