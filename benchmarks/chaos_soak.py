@@ -3,12 +3,10 @@
 First the reference: every request of a fixed pool (text prompts, and images that come
 back, so the MM Store's reuse is exercised) is answered greedily by one monolithic
 instance of the same model (configs/cpu/tp1.yaml). Then the deployment under test is
-brought up and loaded at a fixed rate for `--minutes`, while every 30-60 s (random,
-seeded) one fault strikes, each kind once in a random order before any comes again:
-  kill -9 of E, P or D (the whole process group), or of the MM Store server;
-  SIGSTOP of an instance for 20 s, then SIGCONT;
-  the store filled past its capacity with other features;
-  the store server restarted (SIGTERM; the launcher starts it again).
+brought up as an operator brings it up (`epd-serve up`, in a process of its own, so
+that the supervisor itself can fail) and loaded at a fixed rate for `--minutes`, while
+every 25-45 s (random, seeded) one fault strikes, each kind once in a random order
+before any comes again (the catalogue: benchmarks/chaos_faults.py).
 Each request records its status, latency and whether its answer is the reference's:
 the same tokens and top-5 log-probs (epd_serve.instances.answers), never the text alone.
 So that this judge is seen to see a wrong answer, canaries go in among the load, each
@@ -17,17 +15,20 @@ made wrong on purpose (epd_serve.testing.corruption; the deployment runs with
 whose KV reaches decode with one block unwritten, and an answer judged against another
 request's reference. A canary whose corruption could not take effect (a fault struck
 it: the feature was evicted and encoded again, the transfer failed and decode
-recomputed) is void, not counted. The launcher supervises the deployment as
-`epd-serve up` does; every restart it made that no fault explains is an engine crash.
-Ends with a plot of latency over time with the faults marked, and one line:
+recomputed) is void, not counted. Every restart the supervisor made that no fault
+explains is an engine crash. Ends with a plot of latency over time with the faults
+marked, and one line:
 
   summary: faults=<n> detect=<pct> served=<pct> wrong=<n> hung=<n> engine_crashes=<n> p99_ms=<x>
 
-(`faults`: injected, listed by kind above it; `detect`: the share of the canaries that
-took effect which the judge called wrong, goal 100; `hung`: requests that took over
-30 s; `served`: answered 200; canaries count only in `detect`.)
+(`faults`: injected, listed by kind above it, with the kinds never injected; `detect`:
+the share of the canaries that took effect which the judge called wrong, goal 100;
+`hung`: requests that took over 30 s; `served`: answered 200; canaries count only in
+`detect`.)
 
     scripts/in-netns.sh .venv/bin/python benchmarks/chaos_soak.py configs/cpu/e-p-d.yaml
+    scripts/in-netns.sh .venv/bin/python benchmarks/chaos_soak.py configs/cpu/e-p-d.yaml \
+        --notation "E~-P~-D~" --role-control     # roles that move, the controller on
 """
 
 from __future__ import annotations
@@ -35,34 +36,33 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import secrets
-import signal
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
 import numpy as np
+import yaml
 from rich.progress import Progress
 
 from epd_serve.instances.answers import Fingerprint, ask_for_fingerprint, compare, fingerprint
 from epd_serve.instances.payloads import chat_body, image_data_url, make_image
-from epd_serve.mmstore import FeatureMeta, StoreError, open_store
+from epd_serve.mmstore import StoreError
+from epd_serve.proxy.tenancy import image_key
 from epd_serve.runtime import bringup
 from epd_serve.testing.corruption import SKIP_KV_BLOCK, plant_foreign_feature, remove_feature
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from chaos_faults import LONG_STOP_S, Fault, Targets, UpProcess, strike  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 HUNG_S = 30.0
-STOP_FOR_S = 20.0
-FAULTS = ("kill E", "kill P", "kill D", "kill store", "stop instance", "fill store",
-          "restart store")
 CANARIES = ("foreign feature", "lost KV block", "crossed answers")
 CANARY_EVERY_S = 10.0
 IMAGE_SIDE = 336
+DECODE_BLOCKS = 128  # 4096 tokens: two prompts of the longest the soak allows
 
 
 @dataclass
@@ -96,18 +96,10 @@ class Canary:
 
 
 @dataclass
-class Fault:
-    at: float  # seconds since the load began
-    kind: str
-    target: str
-    detail: str = ""
-
-
-@dataclass
 class Soak:
     outcomes: list[Outcome] = field(default_factory=list)
     faults: list[Fault] = field(default_factory=list)
-    kills: dict[str, int] = field(default_factory=dict)  # child -> times we killed it
+    struck: dict[str, int] = field(default_factory=dict)  # child -> faults that struck it
     canaries: list[Canary] = field(default_factory=list)
     last_served: tuple[int, Fingerprint] | None = None  # a pool answer, for crossing
 
@@ -115,16 +107,30 @@ class Soak:
 # -- the request pool, the canaries and their reference answers ---------------------------
 def request_pool(model: str, size: int, max_tokens: int) -> list[dict]:
     """`size` requests, half text, half one image; images repeat (a quarter of the pool
-    is distinct images), as hot images do. Greedy, each asking for its fingerprint."""
+    is distinct images), as hot images do; every fourth a long text prompt (about
+    LONG_PROMPT_TOKENS: many KV blocks). Greedy, each asking for its fingerprint."""
     images = [image_data_url(make_image(IMAGE_SIDE, IMAGE_SIDE, seed=7000 + i))
               for i in range(size // 4 + 1)]
     pool = []
     for i in range(size):
         urls = [images[(i // 2) % len(images)]] if i % 2 else []
-        body = chat_body(model, f"Chaos request {i}: say something.", urls,
-                         max_tokens=max_tokens)
+        text = f"Chaos request {i}: say something."
+        if is_long(i):
+            text = f"Chaos request {i}: " + f"a long story about wave {i} and the sea " * 80
+        body = chat_body(model, text, urls, max_tokens=max_tokens)
         pool.append(ask_for_fingerprint({**body, "temperature": 0.0}))
     return pool
+
+
+def is_long(index: int) -> bool:
+    return index % 4 == 0
+
+
+def image_urls(pool: list[dict]) -> list[str]:
+    """The distinct images the pool sends."""
+    return list(dict.fromkeys(part["image_url"]["url"] for body in pool
+                              for part in body["messages"][0]["content"]
+                              if isinstance(part, dict) and part.get("type") == "image_url"))
 
 
 def canary_pool(model: str, count: int, max_tokens: int) -> list[CanaryRequest]:
@@ -152,9 +158,11 @@ def canary_pool(model: str, count: int, max_tokens: int) -> list[CanaryRequest]:
     return canaries
 
 
-def reference_answers(bodies: list[dict], work: Path) -> list[Fingerprint]:
-    """Each request answered by one monolithic instance of the same model."""
-    dep = bringup.load(REPO / "configs" / "cpu" / "tp1.yaml", work_dir=str(work / "tp1"))
+def reference_answers(bodies: list[dict], work: Path, engine: dict) -> list[Fingerprint]:
+    """Each request answered by one monolithic instance of the same model (with the
+    soak's `engine` settings, SOAK_ENGINE: its KV blocks the same size)."""
+    dep = bringup.load(REPO / "configs" / "cpu" / "tp1.yaml", work_dir=str(work / "tp1"),
+                       **engine)
     launcher = bringup.bring_up(dep)
     try:
         with httpx.Client(timeout=300) as client:
@@ -170,76 +178,29 @@ def reference_answers(bodies: list[dict], work: Path) -> list[Fingerprint]:
 
 
 # -- faults ---------------------------------------------------------------------------------
-def role_children(launcher) -> dict[str, list[str]]:
-    """Child names by what a fault can strike: each stage's instances, the store server."""
-    roles: dict[str, list[str]] = {"E": [], "P": [], "D": [], "store": [], "instance": []}
-    for launch in launcher.dep.launches:
-        for role in launch.instance.roles:  # "E", "P", "D", or several: "PD"
-            roles[role].append(launch.name)
-        roles["instance"].append(launch.name)
-    roles["store"] = [c.name for c in launcher.children
-                      if c.name.startswith(("mmstore", "mooncake"))][:1]
-    return roles
-
-
-def signal_group(launcher, name: str, sig: int) -> int:
-    child = next(c for c in launcher.children if c.name == name)
-    pid = child.process.pid
-    os.killpg(pid, sig)  # children start in their own session: the group is the instance
-    return pid
-
-
-def fill_store(dep) -> str:
-    """Put other features into the store until it has taken 1.5 times its capacity."""
-    spec = dep.mm_store
-    chunk = np.random.default_rng(0).integers(0, 255, 4 << 20, dtype=np.uint8)
-    stored = 0
-    with open_store(spec) as store:
-        while stored < 1.5 * spec.capacity_bytes:
-            key = secrets.token_hex(32)
-            if store.put(key, chunk, FeatureMeta((chunk.size // 512, 256), "float16")):
-                stored += chunk.nbytes
-    return f"{stored >> 20} MiB of other features"
-
-
-def strike(launcher, soak: Soak, kind: str, rng: random.Random, at: float) -> None:
-    roles = role_children(launcher)
-    target, detail = "", ""
-    if kind.startswith("kill "):
-        role = kind.split()[1]
-        if not roles[role]:
-            kind, role = "kill P", "P"
-        target = rng.choice(roles[role])
-        detail = f"pid {signal_group(launcher, target, signal.SIGKILL)}"
-        soak.kills[target] = soak.kills.get(target, 0) + 1
-    elif kind == "stop instance":
-        target = rng.choice(roles["instance"])
-        pid = signal_group(launcher, target, signal.SIGSTOP)
-        threading.Timer(STOP_FOR_S, lambda: os.killpg(pid, signal.SIGCONT)).start()
-        detail = f"pid {pid} for {STOP_FOR_S:g}s"
-    elif kind == "fill store":
-        target = "store"
-        detail = fill_store(launcher.dep)
-    elif kind == "restart store":
-        target = roles["store"][0]
-        detail = f"pid {signal_group(launcher, target, signal.SIGTERM)}"
-        soak.kills[target] = soak.kills.get(target, 0) + 1
-    soak.faults.append(Fault(at, kind, target, detail))
-    print(f"[{at:6.1f}s] fault: {kind} {target} {detail}", file=sys.stderr, flush=True)
-
-
-async def inject_faults(launcher, soak: Soak, until: float, start: float, seed: int) -> None:
+async def inject_faults(up: UpProcess, soak: Soak, until: float, start: float,
+                        seed: int, send_long, live_keys: list[str]) -> None:
     rng = random.Random(seed)
-    kinds = [k for k in FAULTS if launcher.dep.mm_store is not None or "store" not in k]
+    targets = Targets.of(up.dep)
+    kinds = targets.kinds()
     deck: list[str] = []
     while True:
-        await asyncio.sleep(rng.uniform(30, 60))
+        await asyncio.sleep(rng.uniform(25, 45))
         now = time.monotonic()
         if now >= until - 15:  # leave the last requests time to see the fault out
             return
         if not deck:  # every kind once, in a random order, before any comes again
             deck = rng.sample(kinds, len(kinds))
-        await asyncio.to_thread(strike, launcher, soak, deck.pop(), rng, now - start)
+        kind = deck.pop()
+        try:
+            target, detail = await asyncio.to_thread(strike, up, targets, kind, rng,
+                                                     send_long=send_long, live_keys=live_keys)
+        except Exception as err:  # noqa: BLE001 - reported; the soak goes on
+            target, detail = "?", f"could not strike: {type(err).__name__}: {err}"
+        soak.struck[target] = soak.struck.get(target, 0) + 1
+        soak.faults.append(Fault(now - start, kind, target, detail))
+        print(f"[{now - start:6.1f}s] fault: {kind} {target} {detail}", file=sys.stderr,
+              flush=True)
 
 
 # -- canaries -------------------------------------------------------------------------------
@@ -318,29 +279,45 @@ async def send_canaries(client, dep, soak: Soak, canaries: list[CanaryRequest],
 # -- load -----------------------------------------------------------------------------------
 async def load(dep, pool: list[dict], pool_answers: list[Fingerprint],
                canaries: list[CanaryRequest], rate: float, seconds: float, soak: Soak,
-               launcher, seed: int) -> None:
+               up: UpProcess, seed: int) -> None:
     start = time.monotonic()
     until = start + seconds
     total = int(seconds * rate)
     rng = random.Random(seed)
-    faults = asyncio.create_task(inject_faults(launcher, soak, until, start, seed))
+
+    def judged(index: int, sent: float, resp: httpx.Response | None, error: str = "") -> None:
+        right, verdict = None, ""
+        if resp is not None and resp.status_code == 200:
+            got = fingerprint(resp.json())
+            judgement = compare(got, pool_answers[index])
+            right, verdict = judgement.agrees, judgement.verdict.value
+            soak.last_served = (index, got)
+        status = resp.status_code if resp is not None else error
+        soak.outcomes.append(Outcome(index, sent - start, status, time.monotonic() - sent,
+                                     right, verdict))
+
+    def send_long(kv_transfer_params: dict) -> None:
+        """(A fault's thread.) One long prompt of the pool with these parameters."""
+        index = rng.choice([i for i in range(len(pool)) if is_long(i)])
+        sent = time.monotonic()
+        body = {**pool[index], "model": dep.launches[0].served_model_name,
+                "kv_transfer_params": kv_transfer_params}
+        try:
+            resp = httpx.post(dep.proxy_url + "/v1/chat/completions", json=body, timeout=180)
+            judged(index, sent, resp)
+        except httpx.HTTPError as err:
+            judged(index, sent, None, type(err).__name__)
+
+    live_keys = [image_key(dep.launches[0].served_model_name, url) for url in image_urls(pool)]
+    faults = asyncio.create_task(inject_faults(up, soak, until, start, seed, send_long,
+                                               live_keys))
 
     async def one(client: httpx.AsyncClient, index: int) -> None:
         sent = time.monotonic()
-        status: int | str
-        right, verdict = None, ""
         try:
-            resp = await post(client, dep, pool[index])
-            status = resp.status_code
-            if status == 200:
-                got = fingerprint(resp.json())
-                judged = compare(got, pool_answers[index])
-                right, verdict = judged.agrees, judged.verdict.value
-                soak.last_served = (index, got)
+            judged(index, sent, await post(client, dep, pool[index]))
         except httpx.HTTPError as err:
-            status = type(err).__name__
-        soak.outcomes.append(Outcome(index, sent - start, status, time.monotonic() - sent,
-                                     right, verdict))
+            judged(index, sent, None, type(err).__name__)
         progress.advance(task)
 
     with Progress() as progress:
@@ -357,21 +334,16 @@ async def load(dep, pool: list[dict], pool_answers: list[Fingerprint],
     faults.cancel()
 
 
-def supervise(launcher, stop: threading.Event) -> None:
-    """What `epd-serve up` does after start-up: restart what exits."""
-    while not stop.wait(2.0):
-        launcher.supervise_once()
-
-
 # -- report ---------------------------------------------------------------------------------
-def summarize(soak: Soak, launcher) -> dict:
+def summarize(soak: Soak, restarts: dict[str, int], kinds: list[str]) -> dict:
     n = len(soak.outcomes)
     served = sum(1 for o in soak.outcomes if o.status == 200)
     wrong = sum(1 for o in soak.outcomes if o.right is False)
     hung = sum(1 for o in soak.outcomes if o.latency_s > HUNG_S)
-    restarts = {c.name: c.restarts for c in launcher.children}
-    crashes = {name: count - soak.kills.get(name, 0) for name, count in restarts.items()
-               if count > soak.kills.get(name, 0)}
+    # A fault that struck a process explains one restart of it (a kill; a stop the
+    # supervisor found hung); any other restart is a crash.
+    crashes = {name: count - soak.struck.get(name, 0) for name, count in restarts.items()
+               if count > soak.struck.get(name, 0)}
     latencies = sorted(o.latency_s for o in soak.outcomes if o.status == 200)
     applied = [c for c in soak.canaries if c.applied]
     by_kind = {kind: {"sent": sum(1 for c in soak.canaries if c.kind == kind),
@@ -386,7 +358,8 @@ def summarize(soak: Soak, launcher) -> dict:
             "detect_pct": 100.0 * sum(1 for c in applied if c.flagged) / len(applied)
             if applied else float("nan"), "canaries": by_kind,
             "hung": hung, "engine_crashes": sum(crashes.values()), "crashed": crashes,
-            "restarts": restarts, "kills": soak.kills,
+            "restarts": restarts, "struck": soak.struck,
+            "kinds_not_injected": [k for k in kinds if k not in faults],
             "p99_ms": 1e3 * float(np.percentile(latencies, 99)) if latencies else float("nan"),
             "statuses": {str(s): sum(1 for o in soak.outcomes if str(o.status) == str(s))
                          for s in {str(o.status) for o in soak.outcomes}}}
@@ -419,9 +392,26 @@ def plot(soak: Soak, path: Path, title: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def soak_engine(config: str | Path) -> dict:
+    """The engine settings of the soak (and of its reference): KV blocks of 32 tokens and
+    decode's KV cache held to DECODE_BLOCKS of them, so that blocks are given to the next
+    request within seconds (a late write into a reused block meets another request's KV),
+    with prompts up to 2048 tokens. The file's own engine flags are kept."""
+    file = yaml.safe_load(Path(config).read_text())
+    engine_args = {**file.get("engine_args", {}), "block_size": 32}
+    role_args = file.get("role_engine_args", {})
+    role_args = {**role_args, "D": {**role_args.get("D", {}),
+                                    "num_gpu_blocks_override": DECODE_BLOCKS}}
+    return {"max_model_len": 2048, "engine_args": engine_args, "role_engine_args": role_args}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("config", help="the deployment under test, e.g. configs/cpu/e-p-d.yaml")
+    parser.add_argument("--notation", help="another deployment notation for its instances, "
+                        "e.g. E~-P~-D~ (roles that move)")
+    parser.add_argument("--role-control", action="store_true",
+                        help="turn the role controller on (switchable instances)")
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--rate", type=float, default=2.0, help="requests per second")
     parser.add_argument("--pool", type=int, default=32, help="distinct requests")
@@ -432,33 +422,45 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    # Fault injection: the canaries' lost KV block (no shipped file turns it on).
-    dep = bringup.load(args.config, work_dir=str(out / "work"), fault_injection=True)
+    # Fault injection: the canaries' lost KV block, the prefill that stops itself (no
+    # shipped file turns it on).
+    overrides = {"work_dir": str(out / "work"), "fault_injection": True,
+                 "supervision": {"hung_restart_s": LONG_STOP_S + 45}, **soak_engine(args.config)}
+    if args.notation:
+        overrides["deployment"] = args.notation
+    if args.role_control:
+        overrides["proxy"] = {"role_control": True}
+    dep = bringup.load(args.config, **overrides)
     model = dep.launches[0].served_model_name
     pool = request_pool(model, args.pool, args.max_tokens)
     canaries = canary_pool(model, int(args.minutes * 60 / CANARY_EVERY_S), args.max_tokens)
     sent = [c for c in canaries if c.body]
     print(f"reference answers of {len(pool)} requests and {len(sent)} canaries from one "
           "monolithic instance ...", file=sys.stderr)
-    answers = reference_answers(pool + [c.body for c in sent], out)
+    answers = reference_answers(pool + [c.body for c in sent], out,
+                                soak_engine(REPO / "configs" / "cpu" / "tp1.yaml"))
     pool_answers = answers[:len(pool)]
     for canary, want in zip(sent, answers[len(pool):]):
         canary.want = want
 
-    launcher = bringup.bring_up(dep)
-    stop = threading.Event()
-    supervisor = threading.Thread(target=supervise, args=(launcher, stop), daemon=True)
-    supervisor.start()
+    bringup.ensure_model(dep)
+    up = UpProcess(dep, out / "deployment.yaml", out / "up.log")
+    print(f"epd-serve up {dep.plan.to_notation()} (its log: {out / 'up.log'}) ...",
+          file=sys.stderr)
+    up.start()
     soak = Soak()
     try:
         asyncio.run(load(dep, pool, pool_answers, canaries, args.rate, args.minutes * 60, soak,
-                         launcher, args.seed))
+                         up, args.seed))
+        restarts = up.restarts()
     finally:
-        stop.set()
-        supervisor.join(timeout=10)
-        summary = summarize(soak, launcher)
-        launcher.stop()
-    name = Path(args.config).stem
+        up.stop()
+    summary = summarize(soak, restarts, Targets.of(dep).kinds())
+    report(soak, summary, dep, args, out)
+
+
+def report(soak: Soak, summary: dict, dep, args, out: Path) -> None:
+    name = Path(args.config).stem + (f"-{args.notation}" if args.notation else "")
     (out / f"{name}.json").write_text(json.dumps(
         {"summary": summary, "faults": [asdict(f) for f in soak.faults],
          "canaries": [asdict(c) for c in soak.canaries],
@@ -466,7 +468,8 @@ def main() -> None:
     plot(soak, out / f"{name}.png", f"chaos soak: {dep.plan.to_notation()}, "
          f"{args.rate:g} req/s, {args.minutes:g} min")
     print(f"faults: {len(soak.faults)}: " + ", ".join(f"{f.kind} {f.target}" for f in soak.faults))
-    print("faults by kind: " + ", ".join(f"{k} {n}" for k, n in summary["faults_by_kind"].items()))
+    print("faults by kind: " + ", ".join(f"{k} {n}" for k, n in summary["faults_by_kind"].items())
+          + f"; never injected: {', '.join(summary['kinds_not_injected']) or 'none'}")
     print("canaries (sent / took effect / called wrong): " + ", ".join(
         f"{kind} {c['sent']}/{c['applied']}/{c['flagged']}"
         for kind, c in summary["canaries"].items()))
@@ -475,7 +478,7 @@ def main() -> None:
             print(f"  canary {canary.kind} at {canary.at:.0f}s: "
                   f"{'MISSED' if canary.applied else 'void'} {canary.detail}")
     print(f"statuses: {summary['statuses']}; answers tied (both right): {summary['tied']}; "
-          f"restarts: {summary['restarts']}; kills: {summary['kills']}; "
+          f"restarts: {summary['restarts']}; struck by faults: {summary['struck']}; "
           f"unexplained exits: {summary['crashed']}")
     print(f"plot: {out / (name + '.png')}")
     print(f"summary: faults={summary['faults']} detect={summary['detect_pct']:.1f} "

@@ -274,6 +274,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--backends", default="shm,mooncake")
     parser.add_argument("--skip-deployment", action="store_true", help="skip (c)")
+    parser.add_argument("--store-only", action="store_true",
+                        help="(a) only: put and get against memcpy (the get path's checks)")
     parser.add_argument("--out", default=str(REPO / "results" / "mmstore"))
     args = parser.parse_args()
     out = Path(args.out)
@@ -294,8 +296,9 @@ def main() -> int:
         service = StartedStore(spec, out / "logs", timeout_s=60)
         try:
             store_rows[backend] = put_get(spec, rows, args.repeats, segment)
-            handoffs[f"ours ({backend})"] = handoff_ours(spec, rows, args.repeats, segment,
-                                                         port=18405 + 10 * i)
+            if not args.store_only:
+                handoffs[f"ours ({backend})"] = handoff_ours(spec, rows, args.repeats,
+                                                             segment, port=18405 + 10 * i)
         finally:
             service.close()
 
@@ -310,6 +313,12 @@ def main() -> int:
                           f"{r['get'] * 1e3:.3f}", f"{r['get'] / r['memcpy']:.2f}",
                           f"{r['bytes'] / r['get'] / 1e9:.2f}")
     console.print(table)
+    ratio = max((r["get"] / r["memcpy"] for r in store_rows.get("shm", [])), default=float("nan"))
+    if args.store_only:
+        worst = {backend: max(r["get"] / r["memcpy"] for r in results)
+                 for backend, results in store_rows.items()}
+        print("summary: " + " ".join(f"{b}_get_vs_memcpy={w:.2f}" for b, w in worst.items()))
+        return 0
 
     from ec_peers import PEERS, handoff_seconds
 
@@ -373,7 +382,6 @@ def main() -> int:
         "store": store_rows,
         "handoff_s": {k: {str(n): v for n, v in d.items()} for k, d in handoffs.items()},
         "peers": PEERS, "overlap": overlaps}, indent=2))
-    ratio = max((r["get"] / r["memcpy"] for r in store_rows.get("shm", [])), default=float("nan"))
     print(f"summary: shm_get_vs_memcpy={ratio:.2f} handoff_rank={worst_rank}/{compared} "
           f"prefetch_overlap_min={overlap_min:.2%}")
     return 0

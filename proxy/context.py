@@ -99,7 +99,8 @@ class Proxy:
                                         sock_read=self.config.request_timeout_s)
         self.session = aiohttp.ClientSession(connector=connector, timeout=timeout,
                                              auto_decompress=False)
-        upstream = Upstream(self.router, self.session, self.metrics, self.config.deadlines)
+        upstream = Upstream(self.router, self.session, self.metrics, self.config.deadlines,
+                            self.config.model)
         self.pipeline = Pipeline(self.table, self.router, upstream, self.config)
         self.membership = Membership(self.table, self.session, self.metrics, self.config)
         self.membership.save()
@@ -112,6 +113,7 @@ class Proxy:
         await self.roles.stop()
         await self.membership.stop()
         self.pipeline.close()
+        self.videos.close()
         if self.fetcher is not None:
             await self.fetcher.close()
         await self.session.close()

@@ -123,6 +123,10 @@ class Limits(BaseModel):
         2, gt=0,
         description="Videos decoded at once in the whole proxy (each on a worker thread, "
                     "off the event loop); more wait their turn.")
+    max_video_queue: int = Field(
+        16, ge=0,
+        description="Videos that may wait for a decode slot; one more is refused (503, "
+                    "retry later) instead of queueing without bound.")
     allow_remote_urls: bool = Field(
         False,
         description="Accept http(s) media URLs; the proxy then downloads them itself, "

@@ -23,6 +23,7 @@ from pathlib import Path
 import aiohttp
 
 from epd_serve.proxy.config import InstanceEntry, ProxyConfig
+from epd_serve.proxy.liveness import engine_silent
 from epd_serve.proxy.metrics import ProxyMetrics
 from epd_serve.proxy.routing import eligible
 from epd_serve.proxy.state import HOPS, EngineLoad, InstanceState, InstanceTable, serves
@@ -163,6 +164,9 @@ class Membership:
             refused = failure == "refused"
             ok = False
             inst.last_error = f"health: {type(err).__name__}"
+        if ok and inst.core_hung:
+            ok = await self._engine_answers(inst)
+        self._note_hung(inst, ok, refused)
         if inst.draining:
             return
         inst.probe_failures = 0 if ok else inst.probe_failures + 1
@@ -176,6 +180,27 @@ class Membership:
                 inst.engine = None
         inst.healthy = healthy
         self.metrics.healthy.labels(inst.name).set(int(healthy))
+
+    async def _engine_answers(self, inst: InstanceState) -> bool:
+        """An instance whose engine was found hung comes back only once that engine
+        answers a one-token request: its /health was green all along."""
+        silent = await engine_silent(self.session, inst, self.config.model,
+                                     self.config.deadlines.core_timeout_s)
+        if silent is not None:
+            inst.last_error = silent
+            return False
+        inst.core_hung = False
+        log.info("instance %s: its engine answers again", inst.name)
+        return True
+
+    def _note_hung(self, inst: InstanceState, ok: bool, refused: bool) -> None:
+        """Since when it has been there but not answering (a refused port is a process
+        gone, which the supervisor sees for itself), for /metrics and /status."""
+        if ok or refused:
+            inst.hung_since = None
+        elif inst.hung_since is None:
+            inst.hung_since = time.monotonic()
+        self.metrics.hung_seconds.labels(inst.name).set(inst.hung_for(time.monotonic()))
 
     def has_rivals(self, inst: InstanceState) -> bool:
         """Whether routing chooses between this instance and another for a hop it

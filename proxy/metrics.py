@@ -52,6 +52,11 @@ class ProxyMetrics:
                             ["instance"], registry=r)
         self.healthy = Gauge("epd_proxy_instance_healthy", "1 if routing may use the "
                              "instance.", ["instance"], registry=r)
+        self.hung_seconds = Gauge("epd_proxy_instance_hung_seconds", "How long the instance "
+                                  "has been there (its port open) but not answering: its "
+                                  "/health, or its engine a one-token request; 0 while it "
+                                  "answers or its port refuses. The supervisor restarts an "
+                                  "instance hung too long.", ["instance"], registry=r)
         self.body_bytes_in_flight = Gauge(
             "epd_proxy_body_bytes_in_flight", "Bytes of request bodies the proxy holds "
             "(as admitted: Content-Length).", registry=r)

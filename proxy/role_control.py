@@ -2,9 +2,12 @@
 the rule's decision (role_policy.py), and the switch carried out (roles.py).
 
 Runs in the proxy process as one background task, when the deployment turns it on
-(`proxy.role_control: true`). One switch at a time: while one drains, nothing else is
-decided (the queues it leaves behind are not yet the ones to judge). Each decision is
-logged with its reason and kept for /roles.
+(`proxy.role_control: true`). Coverage comes first: prefill or decode left with no
+healthy instance (they crashed) is given an idle switchable instance from a stage that
+keeps one, at once, whatever else is under way. Then the load rule (role_policy.py), one move per stage at a time: while a switch
+drains, a decision that would touch its stages waits (the queues it leaves behind are
+not yet the ones to judge), others do not. Each decision is logged with its reason and
+kept for /roles.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from epd_serve.proxy.role_policy import (
     RoleRule,
 )
 from epd_serve.proxy.roles import RoleSwitcher, SwitchRefused
-from epd_serve.proxy.routing import load
+from epd_serve.proxy.routing import down_hops, load
 from epd_serve.proxy.state import InstanceState, InstanceTable
 
 log = logging.getLogger("epd_serve.proxy.role_control")
@@ -82,18 +85,53 @@ class RoleController:
 
     async def step(self, now: float) -> Decision | None:
         """One round: the switch started, if any."""
-        if not self.enabled or self.switcher.active:
-            self.policy.reset()  # judge the queues the switch leaves, afresh
+        if not self.enabled:
+            self.policy.reset()
             return None
         members = members_of(self.table, now, self.decode_starts_with_prefill)
-        serving = {m.role for m in members}
+        decision = self._refill(members)
+        if decision is None:
+            decision = self._by_load(members, now)
+        if decision is None:
+            return None
+        self.policy.reset()
+        return self._carry_out(decision)
+
+    def _refill(self, members: list[Member]) -> Decision | None:
+        """Prefill or decode with no healthy instance, none being switched to it: the
+        idlest switchable instance of a stage that keeps another (or of E, which prefill
+        covers) moves there now. (An empty E is the load rule's: it comes back when
+        prefill's encoding for it is work enough.)"""
+        arriving = {s.target for s in self.switcher.active.values()}
+        empty = [stage for stage in ("P", "D")
+                 if stage in down_hops(self.table.instances, self.table.roster)
+                 and stage not in arriving]
+        if not empty:
+            return None
+        serving = collections.Counter(m.role for m in members)
+        donors = [m for m in members if m.switchable and m.role not in empty
+                  and (serving[m.role] > 1 or m.role in VACATABLE)]
+        if not donors:
+            return None
+        # From a stage that keeps an instance first, else an encoder (prefill encodes).
+        chosen = min(donors, key=lambda m: (serving[m.role] == 1, m.load, m.name))
+        return Decision(chosen.name, chosen.role, empty[0],
+                        f"{empty[0]} has no healthy instance: refilled from {chosen.role}")
+
+    def _by_load(self, members: list[Member], now: float) -> Decision | None:
+        """The load rule's decision, unless it would touch a stage a switch is moving
+        an instance out of or into (its queues are not yet the ones to judge)."""
+        busy = {stage for s in self.switcher.active.values() for stage in (s.source, s.target)}
+        serving = {m.role for m in members} | {s.target for s in self.switcher.active.values()}
         # A stage a switch emptied weighs what its stand-in does for it.
         vacant = {stage: float(self.table.stood_in[stage]) for stage in sorted(VACATABLE)
                   if stage in self.table.roster.hops and stage not in serving}
         decision = self.policy.observe(members, now, vacant)
-        if decision is None:
+        if decision is not None and {decision.source, decision.target} & busy:
             return None
-        self.policy.reset()
+        return decision
+
+    def _carry_out(self, decision: Decision) -> Decision:
         record = {"at": time.time(), "instance": decision.instance, "source": decision.source,
                   "target": decision.target, "reason": decision.reason}
         try:

@@ -12,7 +12,9 @@ process, and a switch is a change of routing:
 2. drained: routing stops sending it work at once (`switching_to` is set, so
    `routing.eligible` skips it and new work of its old role goes to its siblings);
    the hops in flight on it finish;
-3. flipped: it serves the new role. What it holds for other requests (a finished
+3. flipped, once the stage it leaves is checked again (its siblings may have died
+   during the drain: then the switch is abandoned and it stays): it serves the new
+   role. What it holds for other requests (a finished
    prefill's KV waiting for its decode to pull it, features in the MM Store) lives in
    its engine's connectors, which serve them whatever the table says: a KV sender runs
    in every kv_both engine, and the store is its own process.
@@ -154,9 +156,14 @@ class RoleSwitcher:
             if switch.outcome == "draining":
                 self._end(inst, switch, "failed")
 
+    def _current(self, switch: Switch) -> bool:
+        """Whether `switch` is still the one its instance is making (not cancelled, nor
+        replaced by a switch asked for after a cancel)."""
+        return self.active.get(switch.instance) is switch
+
     async def _drain_and_flip(self, inst: InstanceState, switch: Switch) -> None:
         deadline = switch._started + self.config.role_drain_timeout_s
-        while inst.in_flight > 0 and inst.switching_to == switch.target:
+        while inst.in_flight > 0 and self._current(switch):
             if time.monotonic() > deadline:
                 self._end(inst, switch, "abandoned")
                 log.warning("role switch %s %s -> %s abandoned: %d hop(s) still in flight "
@@ -165,8 +172,15 @@ class RoleSwitcher:
                             switch.source)
                 return
             await asyncio.sleep(DRAIN_POLL_S)
-        if inst.switching_to != switch.target:
+        if not self._current(switch):
             return  # cancelled meanwhile
+        uncovered = self._left_uncovered(inst)
+        if uncovered:  # its stage lost its other instances while it drained
+            self._end(inst, switch, "abandoned")
+            log.warning("role switch %s %s -> %s abandoned after its drain: %s; it keeps "
+                        "serving %s", inst.name, switch.source, switch.target, uncovered,
+                        switch.source)
+            return
         self.table.set_stages(inst, frozenset(switch.target))
         inst.switches += 1
         switch.serving_after_ms = (time.monotonic() - switch._started) * 1e3
@@ -179,14 +193,18 @@ class RoleSwitcher:
     def _cancel(self, inst: InstanceState) -> Switch:
         switch = self.active[inst.name]
         self._end(inst, switch, "cancelled")
+        if switch._task is not None:
+            switch._task.cancel()  # a switch asked for next must not meet this one's task
         log.info("role switch %s %s -> %s cancelled: it keeps serving %s", inst.name,
                  switch.source, switch.target, switch.source)
         return switch
 
     def _end(self, inst: InstanceState, switch: Switch, outcome: str) -> None:
+        if not self._current(switch):
+            return  # already ended (cancelled); another switch may be under way
         inst.switching_to = None
         switch.outcome = outcome
-        self.active.pop(inst.name, None)
+        del self.active[inst.name]
         self.metrics.child(self.metrics.switches, inst.name, switch.source, switch.target,
                            outcome).inc()
 

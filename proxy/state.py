@@ -52,6 +52,10 @@ class InstanceState:
     # The stages it serves now: its entry's, until a role switch (roles.py) changes them.
     stages: frozenset[str] = frozenset()
     switching_to: str | None = None  # a switch is draining it: routing skips it
+    # Since when (time.monotonic()) it has not answered though its process is there: a
+    # hop's deadline or a probe timed out. None while it answers, or its port refuses.
+    hung_since: float | None = None
+    core_hung: bool = False  # /health answered, a one-token request did not (liveness.py)
     role_since: float = dataclasses.field(default_factory=time.monotonic)
     switches: int = 0
 
@@ -98,16 +102,22 @@ class InstanceState:
             return engine.kv_cache_usage
         return engine.kv_cache_usage * self.engine_queue() / held
 
-    def take_out(self, error: str) -> bool:
+    def take_out(self, error: str, hung: bool = False) -> bool:
         """A connection to it was refused (nothing listens: its process is gone), or it
-        hung (silent past a deadline, /health too): it is out at once, as probes would
-        decide later, until it answers a probe again. Returns True if it was routable
-        until now."""
+        hung (silent past a deadline, and /health or its engine too): it is out at once,
+        as probes would decide later, until it answers a probe again. Returns True if
+        it was routable until now."""
         was = self.healthy
         self.healthy = False
         self.engine = None
         self.last_error = error[:300]
+        if hung and self.hung_since is None:
+            self.hung_since = time.monotonic()
         return was
+
+    def hung_for(self, now: float) -> float:
+        """Seconds it has been hung (0 if it is not)."""
+        return 0.0 if self.hung_since is None else now - self.hung_since
 
     def lease(self, hop: str, cost: float = 1.0) -> "Lease":
         return Lease(self, hop, cost)
@@ -131,6 +141,8 @@ class InstanceState:
             "served": self.served,
             "failures": self.failures,
             "last_error": self.last_error,
+            "hung_s": round(self.hung_for(time.monotonic()), 1),
+            "core_hung": self.core_hung,
             "engine": None if engine is None else {
                 "running": engine.running, "waiting": engine.waiting,
                 "kv_cache_usage": engine.kv_cache_usage},

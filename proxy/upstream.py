@@ -14,10 +14,11 @@ An instance can also be there and silent: a stopped process (SIGSTOP, a wedged h
 still has its connections accepted by the kernel, and would hold every request sent to
 it for request_timeout_s. So each wait on an instance has a deadline (config.Deadlines:
 a hop's first byte, then the silence inside its answer); past it the instance must
-answer a /health check, one per instance at a time, shared by every hop waiting on it.
-An instance that answers is slow, not hung, and is waited for; one that does not is
-hung (`Hung`): out of routing at once, as a refused connection is, and the hop fails
-the way a refused connection fails it.
+answer a liveness check, one per instance at a time, shared by every hop waiting on
+it: its /health, then (vLLM's /health being green while its engine core is stopped) a
+one-token request (liveness.py). An instance that answers is slow, not hung, and is
+waited for; one that does not is hung (`Hung`): out of routing at once, as a refused
+connection is, and the hop fails the way a refused connection fails it.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from yarl import URL
 
 from epd_serve.proxy.config import Deadlines
 from epd_serve.proxy.errors import ProxyError
+from epd_serve.proxy.liveness import engine_silent
 from epd_serve.proxy.metrics import ProxyMetrics
 from epd_serve.proxy.routing import Router
 from epd_serve.proxy.state import InstanceState, Lease
@@ -130,11 +132,12 @@ def upstream_error(inst: InstanceState, status: int, text: str) -> ProxyError:
 
 class Upstream:
     def __init__(self, router: Router, session: aiohttp.ClientSession, metrics: ProxyMetrics,
-                 deadlines: Deadlines | None = None):
+                 deadlines: Deadlines | None = None, model: str = ""):
         self.router = router
         self.session = session
         self.metrics = metrics
         self.deadlines = deadlines or Deadlines()
+        self.model = model  # what a one-token liveness request names
         first_byte = self.deadlines.first_byte_s
         # A merged PD instance answers as decode does.
         self._first_byte_s = {"E": first_byte.E, "P": first_byte.P, "D": first_byte.D,
@@ -171,11 +174,11 @@ class Upstream:
         record.span_id, record.sent_ns = lease.span_id, lease.sent_ns
         record.first_byte_ns, record.done_ns = lease.first_byte_ns, time.time_ns()
 
-    def _take_out(self, inst: InstanceState, error: str, why: str) -> None:
+    def _take_out(self, inst: InstanceState, error: str, why: str, hung: bool = False) -> None:
         """Take an instance that refused a connection, or hung, out now rather than at
         the next probes: the requests arriving meanwhile are routed (or planned)
         without it. The first probe it answers brings it back."""
-        if inst.take_out(error):
+        if inst.take_out(error, hung):
             log.warning("instance %s %s; out until it answers a probe", inst.name, why)
             self.metrics.healthy.labels(inst.name).set(0)
 
@@ -224,20 +227,26 @@ class Upstream:
 
     async def _check(self, inst: InstanceState) -> str | None:
         timeout = self.deadlines.alive_timeout_s
+        failed = None
         try:
             async with self.session.get(inst.entry.url + "/health",
                                         timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
-                if resp.status == 200:
-                    self._alive_at[inst] = time.monotonic()
-                    return None
-                failed = f"its /health answered {resp.status}"
+                if resp.status != 200:
+                    failed = f"its /health answered {resp.status}"
         except TRANSPORT_ERRORS as err:
             if connect_failure(err) == "local":  # the proxy's own limit: no verdict
                 return None
             failed = f"its /health did not answer within {timeout:g} s ({type(err).__name__})"
+        if failed is None:
+            failed = await engine_silent(self.session, inst, self.model,
+                                         self.deadlines.core_timeout_s)
+            if failed is None:
+                self._alive_at[inst] = time.monotonic()
+                return None
+            inst.core_hung = True
         self.metrics.child(self.metrics.hung, inst.name).inc()
         self._take_out(inst, f"hung: silent past a deadline, and {failed}",
-                       f"is hung (silent past a deadline, and {failed})")
+                       f"is hung (silent past a deadline, and {failed})", hung=True)
         return failed
 
     def note_retry(self, hop: str, trip: Trip) -> None:

@@ -1,8 +1,10 @@
 """Client videos made into what every stage is sent: checked, decoded, sampled, re-encoded.
 
-Runs inside the proxy process; the decoding runs on worker threads (PyAV, which
-releases the GIL while FFmpeg works), at most `max_video_decodes` at once, never on the
-event loop. The proxy is the only decoder of a client's video: it sends the encoders,
+Runs inside the proxy process; the decoding runs on worker threads of its own (PyAV,
+which releases the GIL while FFmpeg works), at most `max_video_decodes` at once, never
+on the event loop; at most `max_video_queue` more wait (503 past that). A request that
+ends (its client left) stops its decode at the next frame, and its slot is free again
+once the thread has stopped, not before. The proxy is the only decoder of a client's video: it sends the encoders,
 prefill and decode the same frames, as vLLM's frame-list data URL
 (`data:video/jpeg;base64,<frame>,<frame>,...`). So every stage sees identical pixels
 whatever decoder or sampling its engine would have used, a video's features can be
@@ -28,8 +30,10 @@ Every refusal is a ProxyError: 400, or 413 for a size over a limit.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import io
+import threading
 import time
 
 import numpy as np
@@ -88,15 +92,22 @@ class VideoPreparer:
         self.limits = limits
         self.chunk_frames = chunk_frames
         self._slots = asyncio.Semaphore(limits.max_video_decodes)
+        self._waiting = 0
+        self._threads = concurrent.futures.ThreadPoolExecutor(
+            limits.max_video_decodes, thread_name_prefix="epd-video")
 
     async def prepare(self, items) -> None:
         """Make each video item's URL the frame list its stages get; set its frames,
         chunks and pixels (what its tokens are estimated from)."""
-        await asyncio.gather(*(self._prepare(item) for item in items))
+        tasks = [asyncio.ensure_future(self._prepare(item)) for item in items]
+        try:
+            await asyncio.gather(*tasks)
+        finally:  # one refused, or the request cancelled: the others stop too
+            for task in tasks:
+                task.cancel()
 
     async def _prepare(self, item) -> None:
-        async with self._slots:
-            video = await asyncio.to_thread(decode_video, item.url, self.limits, item.where)
+        video = await self._decode(item.url, item.where)
         item.url = video.url
         item.frames = video.frames
         n = len(video.frames)
@@ -105,15 +116,55 @@ class VideoPreparer:
         item.pixels = video.width * video.height * ((n + 1) // 2)
 
 
+    async def _decode(self, url: str, where: str) -> VideoFrames:
+        """`decode_video` on a slot's thread. Cancelled (the request ended), the thread
+        is told to stop and the slot stays taken until it has."""
+        if self._slots.locked() and self._waiting >= self.limits.max_video_queue:
+            raise ProxyError(503, f"{where}: {self._waiting} videos are waiting to be decoded "
+                             "already; try again shortly", "service_unavailable",
+                             reason="video_queue_full")
+        self._waiting += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self._waiting -= 1
+        stop = threading.Event()
+        try:
+            future = asyncio.get_running_loop().run_in_executor(
+                self._threads, decode_video, url, self.limits, where, stop)
+        except BaseException:
+            self._slots.release()
+            raise
+        future.add_done_callback(self._freed)
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            stop.set()
+            raise
+
+    def _freed(self, future: asyncio.Future) -> None:
+        """A decode thread has returned: its slot is free. (Its outcome is read here, so
+        one nobody waits for any more, stopped or refused, is not reported as lost.)"""
+        self._slots.release()
+        if not future.cancelled():
+            future.exception()
+
+    def close(self) -> None:
+        self._threads.shutdown(wait=False, cancel_futures=True)
+
+
 # ----------------------------------------------------------------------------------
 # Decoding (worker threads)
 # ----------------------------------------------------------------------------------
 
-def decode_video(url: str, limits: Limits, where: str = "video") -> VideoFrames:
-    """The frames the stages get from a client's video data: URL."""
-    deadline = time.monotonic() + limits.video_decode_timeout_s
+def decode_video(url: str, limits: Limits, where: str = "video",
+                 stop: threading.Event | None = None) -> VideoFrames:
+    """The frames the stages get from a client's video data: URL. `stop` set (the
+    request ended) ends the decode at the next frame."""
+    deadline = Deadline(time.monotonic() + limits.video_decode_timeout_s, limits, where,
+                        stop or threading.Event())
     if url[5:5 + len(FRAME_LIST_MIME)].lower() == FRAME_LIST_MIME:
-        return _from_frame_list(url, limits, where)
+        return _from_frame_list(url, limits, where, deadline)
     raw = decode_data_url(url, where, limits.max_media_bytes, "video")
     demuxer = next((name for sniff, name in _CONTAINERS if sniff(raw)), None)
     if demuxer is None:
@@ -132,7 +183,26 @@ def decode_video(url: str, limits: Limits, where: str = "video") -> VideoFrames:
                           "undecodable_video") from None
 
 
-def _decode(box, limits: Limits, where: str, deadline: float) -> VideoFrames:
+@dataclasses.dataclass(frozen=True)
+class Deadline:
+    """When a decode must end: its time limit, or its request ending (`stop`)."""
+
+    at: float  # time.monotonic()
+    limits: Limits
+    where: str
+    stop: threading.Event
+
+    def check(self) -> None:
+        if self.stop.is_set():
+            raise ProxyError(499, f"{self.where}: the request ended; its decode stopped",
+                             reason="video_decode_stopped")
+        if time.monotonic() > self.at:
+            raise bad_request(f"{self.where}: decoding the video took longer than "
+                              f"{self.limits.video_decode_timeout_s:g} s",
+                              "video_decode_timeout")
+
+
+def _decode(box, limits: Limits, where: str, deadline: Deadline) -> VideoFrames:
     if not box.streams.video:
         raise bad_request(f"{where}: the file holds no video stream", "undecodable_video")
     stream = box.streams.video[0]
@@ -152,7 +222,7 @@ def _decode(box, limits: Limits, where: str, deadline: float) -> VideoFrames:
     frames: list[np.ndarray] = []
     wanted, size = 0, None
     for index, frame in enumerate(box.decode(stream)):
-        _check_deadline(deadline, limits, where)
+        deadline.check()
         if index != keep[wanted]:
             continue
         _check_frame_size(frame.width, frame.height, limits, where)
@@ -164,7 +234,7 @@ def _decode(box, limits: Limits, where: str, deadline: float) -> VideoFrames:
     if not frames:
         raise bad_request(f"{where}: no frame of the video could be decoded",
                           "undecodable_video")
-    return VideoFrames([_jpeg(f) for f in frames], size[0], size[1], count)
+    return VideoFrames(_jpegs(frames, deadline), size[0], size[1], count)
 
 
 def _declared_seconds(box, stream) -> float:
@@ -173,7 +243,7 @@ def _declared_seconds(box, stream) -> float:
     return box.duration / 1e6 if box.duration else 0.0
 
 
-def _count_frames(box, stream, limits: Limits, where: str, deadline: float) -> int:
+def _count_frames(box, stream, limits: Limits, where: str, deadline: Deadline) -> int:
     """Frames of the stream, counted from its packets (no decoding)."""
     count = 0
     for packet in box.demux(stream):
@@ -184,7 +254,7 @@ def _count_frames(box, stream, limits: Limits, where: str, deadline: float) -> i
                                  f"{limits.max_video_source_frames} frames; this deployment "
                                  "accepts at most that many", "too_many_frames")
             if count % 256 == 0:
-                _check_deadline(deadline, limits, where)
+                deadline.check()
     if count == 0:
         raise bad_request(f"{where}: the video stream holds no frames", "undecodable_video")
     return count
@@ -197,7 +267,7 @@ def sample_indices(count: int, most: int) -> list[int]:
     return np.linspace(0, count - 1, most).round().astype(int).tolist()
 
 
-def _from_frame_list(url: str, limits: Limits, where: str) -> VideoFrames:
+def _from_frame_list(url: str, limits: Limits, where: str, deadline: Deadline) -> VideoFrames:
     """A client's own list of base64 frames (vLLM's video/jpeg form)."""
     start = url.find(",") + 1
     texts = url[start:].split(",")
@@ -207,6 +277,7 @@ def _from_frame_list(url: str, limits: Limits, where: str) -> VideoFrames:
     keep = sample_indices(len(texts), limits.max_video_frames)
     frames, size = [], None
     for index in keep:
+        deadline.check()
         frame_where = f"{where} frame {index}"
         raw = decode_data_url(f"data:image/jpeg;base64,{texts[index]}", frame_where,
                               limits.max_image_bytes)
@@ -215,7 +286,7 @@ def _from_frame_list(url: str, limits: Limits, where: str) -> VideoFrames:
             _check_frame_size(image.width, image.height, limits, frame_where)
             size = size or _sent_size(image.width, image.height, limits.video_frame_pixels)
             frames.append(np.asarray(image.convert("RGB").resize(size, Image.BICUBIC)))
-    return VideoFrames([_jpeg(f) for f in frames], size[0], size[1], len(texts))
+    return VideoFrames(_jpegs(frames, deadline), size[0], size[1], len(texts))
 
 
 def _sent_size(width: int, height: int, most: int) -> tuple[int, int]:
@@ -224,6 +295,14 @@ def _sent_size(width: int, height: int, most: int) -> tuple[int, int]:
         return width, height
     scale = (most / (width * height)) ** 0.5
     return max(1, int(width * scale)), max(1, int(height * scale))
+
+
+def _jpegs(frames: list[np.ndarray], deadline: Deadline) -> list[str]:
+    out = []
+    for frame in frames:
+        deadline.check()
+        out.append(_jpeg(frame))
+    return out
 
 
 def _jpeg(pixels: np.ndarray) -> str:
@@ -239,12 +318,6 @@ def _check_frame_size(width: int, height: int, limits: Limits, where: str) -> No
         raise _too_large(where, f"the video's frames are {width}x{height} = "
                          f"{width * height} pixels; this deployment accepts at most "
                          f"{limits.max_video_frame_pixels}", "video_too_large")
-
-
-def _check_deadline(deadline: float, limits: Limits, where: str) -> None:
-    if time.monotonic() > deadline:
-        raise bad_request(f"{where}: decoding the video took longer than "
-                          f"{limits.video_decode_timeout_s:g} s", "video_decode_timeout")
 
 
 def _too_large(where: str, message: str, reason: str) -> ProxyError:

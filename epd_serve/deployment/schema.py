@@ -77,6 +77,11 @@ class Supervision(BaseModel):
     healthy_after_s: float = Field(
         60.0, gt=0, description="A process up this long counts as healthy: its next crash "
         "is the first in a row again.")
+    hung_restart_s: float = Field(
+        30.0, gt=0, description="A process that answered once since its start, then is "
+        "there but silent this long, is killed and restarted: an engine the proxy sees "
+        "hung (its /health, or its engine core a one-token request), the proxy or the MM "
+        "Store server not answering their health URL.")
     log_max_bytes: ByteSize = Field(
         ByteSize(50 << 20), ge=64 << 10, description="Size at which a process's log "
         "<name>.log rolls over to <name>.log.1 (the older ones move up one).")
@@ -170,7 +175,8 @@ class Deployment(BaseModel):
         "'x-epd-fault: drop-features' (deletes the request's features from the MM Store "
         "after the encoder, so prefill must recompute), and prefill's KV connector a "
         "client's kv_transfer_params epd_fault: stall, fail_write (decode recomputes) or "
-        "skip_block (a block of decode's never written: a wrong answer on purpose).")
+        "skip_block (a block of decode's never written: a wrong answer on purpose) or "
+        "stop_process (prefill's engine SIGSTOPs itself just before its first write).")
     health_timeout_s: float = Field(600.0, description="How long start-up may take.")
     supervision: Supervision = Field(
         default_factory=Supervision, description="Restarts (back-off, no limit) and log "

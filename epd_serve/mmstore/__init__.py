@@ -6,6 +6,7 @@ imported only when chosen (Mooncake's client needs its native library).
 
 from __future__ import annotations
 
+from epd_serve.mmstore.attach import AttachingStore
 from epd_serve.mmstore.base import FeatureMeta, FeatureStore, StoreError
 from epd_serve.mmstore.spec import BACKENDS, StoreSpec
 
@@ -26,4 +27,12 @@ def open_store(spec: StoreSpec, *, segment_bytes: int = 0,
     return MooncakeStore(spec, segment_bytes=segment_bytes, local_host=local_host)
 
 
-__all__ = ["BACKENDS", "FeatureMeta", "FeatureStore", "StoreError", "StoreSpec", "open_store"]
+def attach_store(spec: StoreSpec, **options) -> AttachingStore:
+    """A client that needs no store to be there (what an engine holds: mmstore/attach.py):
+    `open_store(spec, **options)` now, and again in the background until one answers."""
+    return AttachingStore(lambda: open_store(spec, **options),
+                          f"{spec.backend} MM Store at {spec.address}")
+
+
+__all__ = ["BACKENDS", "AttachingStore", "FeatureMeta", "FeatureStore", "StoreError",
+           "StoreSpec", "attach_store", "open_store"]

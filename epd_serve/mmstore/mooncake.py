@@ -42,6 +42,7 @@ global settings (MC_GID_INDEX, ...) once, with the first engine.
 
 from __future__ import annotations
 
+import logging
 import socket
 import struct
 import threading
@@ -52,7 +53,7 @@ from contextlib import contextmanager
 import msgspec
 import numpy as np
 
-from epd_serve.mmstore.base import FeatureMeta, FeatureStore, StoreError
+from epd_serve.mmstore.base import FeatureMeta, FeatureStore, StoreError, checksum
 from epd_serve.mmstore.spec import StoreSpec
 from epd_serve.mmstore.transfer_engines import claim_engine, release_engine
 
@@ -69,9 +70,14 @@ META_BUFFER_BYTES = 4 << 20
 # Without this probe, setup() against a dead master retries for about 90 s.
 MASTER_PROBE_TIMEOUT_S = 2.0
 _OBJECT_HAS_LEASE = -706
-# The meta value: the feature's byte count, then the msgpack FeatureMeta, so that `get`
-# sizes its buffer without another round trip.
-_NBYTES = struct.Struct("<Q")
+# The meta value: the feature's byte count (so that `get` sizes its buffer without
+# another round trip) and checksum, then the msgpack FeatureMeta. The feature and its
+# meta are two objects: a feature whose bytes are not the ones its meta was written with
+# (the meta outlived it and another writer's value took its key, or a write Mooncake
+# had revoked landed late in its space) reads as a miss.
+_HEADER = struct.Struct("<QQ")
+
+logger = logging.getLogger("epd_serve.mmstore")
 
 
 def master_command(spec: StoreSpec, master_binary: str = "mooncake_master") -> list[str]:
@@ -179,6 +185,7 @@ class MooncakeStore(FeatureStore):
             raise StoreError(f"Mooncake client setup against {spec.address} failed ({code})")
         self._lock = threading.Lock()
         self._closed = False
+        self.corrupt_reads = 0  # features whose bytes did not match their meta's checksum
 
     @contextmanager
     def _registered(self, array: np.ndarray) -> Iterator[int]:
@@ -199,7 +206,9 @@ class MooncakeStore(FeatureStore):
         payload = _byte_view(data)
         if payload.nbytes == 0:
             return False  # Mooncake cannot register, hence store, an empty buffer
-        header = np.frombuffer(_NBYTES.pack(payload.nbytes) + meta.encode(), dtype=np.uint8)
+        meta_bytes = meta.encode()
+        header = np.frombuffer(_HEADER.pack(payload.nbytes, checksum(meta_bytes, payload))
+                               + meta_bytes, dtype=np.uint8)
         with self._lock:
             # Mooncake's put of an existing key keeps the old value and still returns 0.
             if self._store.is_exist(key) == 1:
@@ -218,11 +227,18 @@ class MooncakeStore(FeatureStore):
             found = self._read_meta(key)
             if found is None:
                 return None
-            nbytes, meta = found
+            nbytes, digest, meta_bytes = found
             out = np.empty(nbytes, dtype=np.uint8)
             with self._registered(out) as address:
                 read = self._store.get_into(key, address, nbytes)
-        return (out, meta) if read == nbytes else None
+        if read != nbytes:
+            return None
+        if checksum(meta_bytes, out) != digest:
+            self.corrupt_reads += 1
+            logger.warning("mmstore: %s does not match its meta's checksum; read as a miss",
+                           key)
+            return None
+        return out, FeatureMeta.decode(meta_bytes)
 
     def lookup(self, key: str) -> FeatureMeta | None:
         with self._lock:
@@ -230,16 +246,19 @@ class MooncakeStore(FeatureStore):
             if self._store.is_exist(key) != 1:
                 return None
             found = self._read_meta(key)
-        return None if found is None else found[1]
+        return None if found is None else FeatureMeta.decode(found[2])
 
-    def _read_meta(self, key: str) -> tuple[int, FeatureMeta] | None:
+    def _read_meta(self, key: str) -> tuple[int, int, bytes] | None:
+        """(byte count, checksum, encoded meta) of `key`, or None."""
         value = self._store.get(_meta_key(key))  # b"" when missing or unreadable
-        if len(value) < _NBYTES.size:
+        if len(value) < _HEADER.size:
             return None
+        meta_bytes = value[_HEADER.size:]
         try:
-            return _NBYTES.unpack_from(value)[0], FeatureMeta.decode(value[_NBYTES.size:])
+            FeatureMeta.decode(meta_bytes)
         except msgspec.DecodeError:  # a value that is not ours reads as a miss
             return None
+        return (*_HEADER.unpack_from(value), meta_bytes)
 
     def delete(self, key: str) -> bool:
         """Waits out the lease a recent read holds (up to one TTL), then gives up."""

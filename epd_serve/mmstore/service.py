@@ -37,6 +37,15 @@ def store_processes(spec: StoreSpec) -> list[StoreProcess]:
                          metrics)]
 
 
+def remove_store_files(spec: StoreSpec) -> None:
+    """What the store leaves when its processes stop, removed once the deployment
+    stops: the shm arena (kept across a server's restarts: shm_server.py)."""
+    if spec.backend == "shm":
+        from epd_serve.mmstore.shm_server import remove_arena
+
+        remove_arena(spec)
+
+
 def _binary(name: str) -> str:
     """Mooncake's programs come with its wheel, beside the interpreter running us (the
     virtualenv's bin/, which need not be on PATH)."""
@@ -50,6 +59,7 @@ class StartedStore:
     `log_dir`: where their output goes; None leaves it on this process's."""
 
     def __init__(self, spec: StoreSpec, log_dir: Path | None = None, timeout_s: float = 30.0):
+        self.spec = spec
         self.processes: list[subprocess.Popen] = []
         try:
             for proc in store_processes(spec):
@@ -82,6 +92,7 @@ class StartedStore:
         for process in reversed(self.processes):
             process.terminate()
             process.wait(timeout=30)
+        remove_store_files(self.spec)
 
     def __enter__(self) -> StartedStore:
         return self

@@ -12,18 +12,20 @@ cannot leave at once, and a reader maps the new arena when the server restarted.
 from __future__ import annotations
 
 import itertools
+import logging
 import mmap
 import os
 import threading
 import time
 from typing import NamedTuple
 
+import msgspec
 import numpy as np
 import zmq
 
 from epd_serve.mmstore import shm_layout as layout
 from epd_serve.mmstore import shm_wire as wire
-from epd_serve.mmstore.base import FeatureMeta, FeatureStore, StoreError
+from epd_serve.mmstore.base import FeatureMeta, FeatureStore, StoreError, checksum
 from epd_serve.mmstore.spec import StoreSpec
 
 READ_ATTEMPTS = 3  # a read torn by a concurrent eviction is retried, then a miss
@@ -35,6 +37,8 @@ REPORT_AFTER_S = 0.2
 # server may not be back yet; meanwhile it reads the old copy, still mapped).
 REMAP_EVERY_S = 1.0
 REMAP_TIMEOUT_MS = 500  # that question's deadline
+
+logger = logging.getLogger("epd_serve.mmstore")
 
 
 class Arena(NamedTuple):
@@ -73,6 +77,7 @@ class ShmStore(FeatureStore):
         self._remap_after = 0.0
         self._remapping = threading.Lock()
         self.dropped_messages = 0  # pins, releases and read reports that could not leave
+        self.corrupt_reads = 0  # entries whose bytes did not match their checksum
         try:
             deadline = time.monotonic() + open_wait_s
             while True:
@@ -181,8 +186,25 @@ class ShmStore(FeatureStore):
             if with_bytes:
                 begin = start + layout.meta_span(row[layout.META_LEN])
                 data = arena.bytes[begin:begin + row[layout.NBYTES]].copy()
-            if arena.directory.still_valid(slot, row):
+            if not arena.directory.still_valid(slot, row):
+                continue
+            if data is not None and checksum(meta_bytes, data) != row[layout.CHECKSUM]:
+                # Not what its writer published: bytes a late writer left there. A miss,
+                # never another feature.
+                self.corrupt_reads += 1
+                logger.warning("mmstore: %s does not match its checksum (a late writer's "
+                               "bytes); read as a miss", key)
+                return None
+            try:
+                # A lookup reads no bytes to check: its meta may be what a late writer
+                # left there. Not ours to decode: a miss. (One that decodes is checked
+                # with the bytes by the get that follows.)
                 return data, FeatureMeta.decode(meta_bytes)
+            except msgspec.DecodeError:
+                self.corrupt_reads += 1
+                logger.warning("mmstore: the meta of %s is not a feature's (a late writer's "
+                               "bytes); read as a miss", key)
+                return None
         return None
 
     # -- FeatureStore ------------------------------------------------------------
@@ -193,7 +215,7 @@ class ShmStore(FeatureStore):
         if isinstance(placed, wire.Placed) and placed.arena_id != self._arena.arena_id:
             # The server restarted since we mapped its arena: give the reservation
             # back, map the new arena, then ask again.
-            self._call(wire.Abort(0, key))
+            self._call(wire.Abort(0, key, placed.token))
             self._map_arena()
             placed = self._call(wire.Reserve(0, key, view.nbytes, meta_bytes))
         arena = self._arena
@@ -205,9 +227,10 @@ class ShmStore(FeatureStore):
             begin = start + layout.meta_span(len(meta_bytes))
             arena.bytes[begin:begin + view.nbytes] = view
         except BaseException:
-            self._call(wire.Abort(0, key))
+            self._call(wire.Abort(0, key, placed.token))
             raise
-        return isinstance(self._call(wire.Commit(0, key)), wire.Done)
+        digest = checksum(meta_bytes, view)
+        return isinstance(self._call(wire.Commit(0, key, placed.token, digest)), wire.Done)
 
     def get(self, key: str) -> tuple[np.ndarray, FeatureMeta] | None:
         found = self._read(key, with_bytes=True)

@@ -12,6 +12,7 @@ the less recently used occupant is evicted.
 from __future__ import annotations
 
 import bisect
+import itertools
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -32,6 +33,7 @@ class Entry:
     # A client that dies holding a pin or a reservation must not hold the space
     # forever: both lapse after `hold_s`.
     held_until: float = 0.0
+    token: int = 0  # its reservation's: the one Commit and Abort are taken with
 
     @property
     def data_offset(self) -> int:
@@ -61,6 +63,7 @@ class Index:
 
     def __post_init__(self) -> None:
         self.capacity = self.capacity // PAGE * PAGE
+        self._tokens = itertools.count(1)
         self._free: list[tuple[int, int]] = [(self.start, self.capacity)]  # by offset
         self._slot_owner: dict[int, str] = {}
 
@@ -141,24 +144,31 @@ class Index:
                 return "full"
             self._evict(victim)
             offset = self._take(span)
-        entry = Entry(offset, nbytes, span, meta, slot, held_until=now + self.hold_s)
+        entry = Entry(offset, nbytes, span, meta, slot, held_until=now + self.hold_s,
+                      token=next(self._tokens))
         self.entries[key] = entry
         self._slot_owner[slot] = key
         return entry
 
-    def commit(self, key: str) -> bool:
+    def commit(self, key: str, token: int, digest: int) -> str | None:
+        """Publish the feature its writer reserved with `token`; why not ('missing',
+        'lapsed': its reservation was given away and this is not its writer's to
+        publish), or None once published."""
         entry = self.entries.get(key)
         if entry is None or entry.committed:
-            return False
+            return "missing"
+        if entry.token != token:
+            return "lapsed"
         entry.committed = True
-        self.directory.publish(entry.slot, key, entry.offset, len(entry.meta), entry.nbytes)
+        self.directory.publish(entry.slot, key, entry.offset, len(entry.meta), entry.nbytes,
+                               digest)
         self.counters.puts += 1
         self.counters.put_bytes += entry.nbytes
-        return True
+        return None
 
-    def abort(self, key: str) -> None:
+    def abort(self, key: str, token: int) -> None:
         entry = self.entries.get(key)
-        if entry is not None and not entry.committed:
+        if entry is not None and not entry.committed and entry.token == token:
             self._drop(key)
 
     def touch(self, key: str) -> None:

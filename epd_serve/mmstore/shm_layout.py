@@ -8,6 +8,10 @@ makes it even again; a reader copies the feature between two reads of the genera
 and trusts the copy only if both are the same even number. Space of an evicted
 feature is reused only after its slot was cleared, so a torn read is always caught.
 
+Each slot also holds the checksum its writer published (xxh3_64 of the meta and the
+bytes, `checksum`): a reader that finds its copy does not match reads a miss, so bytes a
+late writer left in space since given to another feature are never taken for it.
+
 A spare word of slot 0 marks an arena retired: its server stopped, or a server that
 started after it was killed took over. A client that finds it set maps the new arena
 (the old mapping outlives the file, so without the mark a reader would keep reading a
@@ -19,8 +23,8 @@ from __future__ import annotations
 import numpy as np
 import xxhash
 
-SLOT_WORDS = 8  # 64 bytes: gen, key_lo, key_hi, offset, meta_len, nbytes, 2 spare
-GEN, KEY_LO, KEY_HI, OFFSET, META_LEN, NBYTES, RETIRED = range(7)  # RETIRED: slot 0
+SLOT_WORDS = 8  # 64 bytes: gen, key_lo, key_hi, offset, meta_len, nbytes, spare, checksum
+GEN, KEY_LO, KEY_HI, OFFSET, META_LEN, NBYTES, RETIRED, CHECKSUM = range(8)  # RETIRED: slot 0
 PAGE = 4096
 META_ALIGN = 64
 
@@ -82,13 +86,22 @@ class Directory:
         self.slots[0, RETIRED] = 1
 
     # -- writer side (the server only) ---------------------------------------
-    def publish(self, slot: int, key: str, offset: int, meta_len: int, nbytes: int) -> None:
+    def publish(self, slot: int, key: str, offset: int, meta_len: int, nbytes: int,
+                digest: int = 0) -> None:
         lo, hi = key_hash(key)
         s = self.slots[slot]
         gen = int(s[GEN])
         s[GEN] = gen + 1 if not gen & 1 else gen  # odd: being rewritten
         s[KEY_LO], s[KEY_HI], s[OFFSET], s[META_LEN], s[NBYTES] = lo, hi, offset, meta_len, nbytes
+        s[CHECKSUM] = digest
         s[GEN] = int(s[GEN]) + 1  # even again: valid
+
+    def clear_all(self) -> None:
+        """Empty the directory of an arena a new server takes over (each slot through
+        its seqlock: a client reading an old entry sees it go), and serve it again."""
+        for slot in np.flatnonzero(self.slots[:, KEY_LO] | self.slots[:, KEY_HI]):
+            self.clear(int(slot))
+        self.slots[0, RETIRED] = 0
 
     def clear(self, slot: int) -> None:
         s = self.slots[slot]

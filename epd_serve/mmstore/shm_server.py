@@ -5,12 +5,21 @@ that clients map; layout in shm_layout.py) and the index (shm_index.py), and is 
 only writer of the directory. Clients talk to it over a ZeroMQ socket on 127.0.0.1 to
 reserve, commit, pin and delete; gets need no message. Counters are served as
 Prometheus metrics on the spec's metrics port.
+
+The arena's file is the store's, not one server's: a server that restarts (killed,
+stopped, crashed) opens the same file, empties its directory and serves from the same
+pages. So a restart never needs a second arena's worth of /dev/shm (clients still map
+the first one until they follow; a fresh file would be charged on top of it), and the
+clients' mappings stay valid: they see the emptied directory, then the new entries. One
+server at a time holds the file (a lock); the launcher removes the file when the
+deployment stops (`remove_arena`).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import logging
 import mmap
 import os
@@ -36,17 +45,30 @@ SHM_DIR = Path("/dev/shm")
 
 
 ARENA_PREFIX = "epd-mmstore-"
+ARENA_SUFFIX = ".arena"
 
 
-def arena_path(spec: StoreSpec, pid: int | None = None) -> Path:
-    """The arena's file; it names the server's pid so that a server killed before it
-    could remove its file is recognised (see `remove_stale_arenas`)."""
-    return SHM_DIR / f"{ARENA_PREFIX}{spec.name}-{spec.port}-{pid or os.getpid()}"
+def arena_path(spec: StoreSpec) -> Path:
+    """The store's arena file: the same for every server of this store."""
+    return SHM_DIR / f"{ARENA_PREFIX}{spec.name}-{spec.port}{ARENA_SUFFIX}"
+
+
+def remove_arena(spec: StoreSpec) -> bool:
+    """The deployment stops: retire the arena (a client still mapping it stops reading
+    it) and remove its file, which frees its memory once the last mapping goes."""
+    path = arena_path(spec)
+    with contextlib.suppress(OSError, ValueError):
+        retire_arena(path)
+    try:
+        path.unlink()
+        return True
+    except FileNotFoundError:
+        return False
 
 
 def remove_stale_arenas() -> list[Path]:
-    """Delete arenas whose server is gone (killed with SIGKILL): they hold memory. Each
-    is marked retired first, so that clients still mapping it map the new one."""
+    """Delete arenas of earlier releases, one per server (named by its pid), whose
+    server is gone: they hold memory. Each is marked retired first."""
     removed = []
     for path in SHM_DIR.glob(f"{ARENA_PREFIX}*"):
         pid = path.name.rsplit("-", 1)[-1]
@@ -100,20 +122,23 @@ class StoreServer:
         nslots = layout.slot_count(spec.capacity_bytes)
         start = layout.data_start(nslots)
         size = start + spec.capacity_bytes
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        self._fd, reused = _take_arena_file(self.path, size)
         try:
             # The store's memory is taken at start, as Mooncake's segments are: a
-            # /dev/shm too small fails here, not at some later put.
-            os.posix_fallocate(fd, 0, size)
-            self.arena = mmap.mmap(fd, size)
+            # /dev/shm too small fails here, not at some later put. (A file taken over
+            # from the server before has its pages already: this allocates none.)
+            os.posix_fallocate(self._fd, 0, size)
+            self.arena = mmap.mmap(self._fd, size)
         except OSError as err:
-            os.close(fd)
+            os.close(self._fd)
             self.path.unlink(missing_ok=True)
             raise SystemExit(f"cannot take {size >> 20} MiB in {SHM_DIR} for the MM Store: "
                              f"{err}; lower mm_store.capacity or enlarge {SHM_DIR}") from None
-        os.close(fd)
         words = np.frombuffer(self.arena, dtype=np.uint64, count=nslots * layout.SLOT_WORDS)
-        self.index = Index(layout.Directory(words), start, spec.capacity_bytes)
+        directory = layout.Directory(words)
+        if reused:
+            directory.clear_all()  # what the server before held is not this one's
+        self.index = Index(directory, start, spec.capacity_bytes, hold_s=spec.hold_s)
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -144,15 +169,16 @@ class StoreServer:
                 if len(self._reserved_at) > 10_000:  # clients that died before committing
                     self._reserved_at.clear()
                 self._reserved_at[req.key] = time.perf_counter()
-                return wire.Placed(req.seq, self.arena_id, placed.offset)
+                return wire.Placed(req.seq, self.arena_id, placed.offset, placed.token)
             case wire.Commit():
-                done = idx.commit(req.key)
-                if (reserved := self._reserved_at.pop(req.key, None)) is not None and done:
+                refused = idx.commit(req.key, req.token, req.checksum)
+                reserved = self._reserved_at.pop(req.key, None)
+                if reserved is not None and refused is None:
                     self.put_seconds.observe(time.perf_counter() - reserved)
-                return wire.Done(req.seq) if done else wire.Refused(req.seq, "missing")
+                return wire.Done(req.seq) if refused is None else wire.Refused(req.seq, refused)
             case wire.Abort():
                 self._reserved_at.pop(req.key, None)
-                idx.abort(req.key)
+                idx.abort(req.key, req.token)
                 return wire.Done(req.seq)
             case wire.Hold():
                 idx.acquire(req.key)
@@ -188,10 +214,33 @@ class StoreServer:
             self.close()
 
     def close(self) -> None:
+        """The arena stays for the next server of this store (the launcher removes it
+        when the deployment stops)."""
         self.sock.close()
         self.ctx.term()
-        self.index.directory.retire()
-        self.path.unlink(missing_ok=True)
+
+
+def _take_arena_file(path: Path, size: int) -> tuple[int, bool]:
+    """The arena file, open and locked for this server: the one a server before left
+    (True) when it has this size, else a new one. The lock, held until this process
+    ends, keeps a second server of the same store from writing the same directory."""
+    for attempt in (1, 2):
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise SystemExit(f"{path} is held by another MM Store server of this "
+                             "store") from None
+        held = os.fstat(fd).st_size
+        if held in (0, size) or attempt == 2:
+            return fd, held == size
+        # Another capacity: clients of the old file move to a new one.
+        with contextlib.suppress(OSError, ValueError):
+            retire_arena(path)
+        path.unlink(missing_ok=True)
+        os.close(fd)
+    raise AssertionError("unreachable")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -205,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
     with contextlib.suppress(PermissionError):
         os.setpriority(os.PRIO_PROCESS, 0, -10)
     server = StoreServer(StoreSpec.from_json(args.spec))
-    # SIGTERM from the launcher: leave the loop so the arena file is removed.
+    # SIGTERM from the launcher: leave the loop and close the socket.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     server.serve_forever()
 

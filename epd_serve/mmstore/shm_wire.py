@@ -5,13 +5,19 @@ message at all (shm_layout.py): clients only report them afterwards (`Touched`,
 `Missed`) so the server keeps LRU order and counters. Every request carries a sequence
 number that its reply echoes: a reply that arrives after its request timed out is
 recognised and dropped.
+
+A put is fenced: its reservation (`Placed`) carries a token, the only one its `Commit`
+or `Abort` is taken with. A writer paused past its reservation's hold finds its space
+given to another feature and its late Commit refused ("lapsed"); the bytes it wrote
+meanwhile into that space are caught by the checksum its Commit publishes (xxh3 of the
+meta and the bytes, checked by every reader), so they are never read as a feature.
 """
 
 from __future__ import annotations
 
 import msgspec
 
-VERSION = 1
+VERSION = 2  # 2: fenced puts (tokens, checksums)
 
 
 class Hello(msgspec.Struct, tag=True):
@@ -32,11 +38,12 @@ class Reserve(_OnKey, tag=True):
 
 
 class Commit(_OnKey, tag=True):
-    pass
+    token: int  # the reservation's (Placed.token)
+    checksum: int  # xxh3_64 of the meta and the bytes written
 
 
 class Abort(_OnKey, tag=True):
-    pass
+    token: int
 
 
 class Hold(_OnKey, tag=True):
@@ -76,10 +83,11 @@ class Placed(msgspec.Struct, tag=True):
     seq: int
     arena_id: str
     offset: int  # where the meta goes; the bytes follow after it, 64-byte aligned
+    token: int  # this reservation's, never reused: Commit and Abort name it
 
 
 class Refused(msgspec.Struct, tag=True):
-    """`exists`, `full`, `missing` or `bad request: ...`."""
+    """`exists`, `full`, `missing`, `lapsed` or `bad request: ...`."""
 
     seq: int
     reason: str

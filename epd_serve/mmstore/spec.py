@@ -19,6 +19,9 @@ class StoreSpec(msgspec.Struct, frozen=True, kw_only=True):
     capacity_bytes: int = 2 << 30
     name: str = "epd"  # names the shared-memory arena; one per deployment
     protocol: str = "tcp"  # mooncake transport: tcp, rdma, ascend
+    # shm: how long a reservation not yet committed, or a pin, holds its space before it
+    # may be given to another feature (a writer or reader that died must not hold it).
+    hold_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:

@@ -35,7 +35,8 @@ class Steering(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Fault injection, honoured only where the deployment allows it (tests): "stall",
     # "fail_write" (the transfer fails; decode recomputes) or "skip_block" (decode's first
     # reserved block is never written, yet the transfer reports done: a wrong answer
-    # only a fingerprint sees), connectors/epd_kv/sender_*.py.
+    # only a fingerprint sees) or "stop_process" (prefill's engine SIGSTOPs itself just
+    # before handing the first write to the transfer engine), connectors/epd_kv/sender_*.py.
     epd_fault: str | UnsetType = UNSET
 
 

@@ -58,11 +58,16 @@ def launcher_for(dep: ResolvedDeployment) -> Launcher | RayLauncher:
 
 
 def bring_up(dep: ResolvedDeployment, warmup: bool = True) -> Launcher | RayLauncher:
-    """Start a deployment with live progress; returns the running Launcher."""
+    """Start a deployment with live progress, or adopt it where an earlier `up` left it
+    running (launcher.py); returns the running Launcher."""
     from epd_serve.runtime.progress import StartupProgress, warm_up
 
     ensure_model(dep)
     launcher = launcher_for(dep)
+    if isinstance(launcher, Launcher) and launcher.adopt():
+        # Its launcher was killed; the deployment kept serving. Supervised again, as
+        # it is (it was warmed up when it started).
+        return launcher
     try:
         launcher.start()
         with StartupProgress(dep) as progress:

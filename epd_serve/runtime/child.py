@@ -1,7 +1,10 @@
-"""One supervised local process: started in its own session and process group, told to
-die with its starter, restarted after its whole tree (leftovers included) is killed,
-at once or after a back-off that grows while it keeps crashing (never given up on);
-its output goes through a pipe into a log file that rolls over by size.
+"""One supervised local process: started in its own session and process group,
+restarted after its whole tree (leftovers included) is killed, at once or after a
+back-off that grows while it keeps crashing (never given up on); its output goes
+through a pipe to a log relay (log_relay.py), a process of its own that writes the
+log file and rolls it over by size. It does not die with its starter: a supervisor
+that is killed, or stopped, costs the children nothing (`epd-serve up` adopts them
+again: launcher.py), and the supervisor's own stop kills every tree.
 
 Used by the local launcher (one Child per process of the start-up plan) and by the Ray
 host actor (one Child on its node). A child's tag (proctree.TAG_ENV) is inherited by
@@ -10,22 +13,21 @@ every process it starts, so `kill_trees` finds them after the leader died.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import fcntl
 import os
-import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
+
 from epd_serve.deployment.schema import Supervision
 from epd_serve.runtime.proctree import TAG_ENV, ProcessTree, kill_trees, plural
-from epd_serve.runtime.supervision import ChildLog, RestartBackoff
+from epd_serve.runtime.supervision import RestartBackoff
 
 STOP_GRACE_S = 20.0
 # A dead child's leftovers are killed before its restart, so the supervisor waits only
@@ -35,21 +37,31 @@ LOG_DRAIN_S = 2.0  # how long a dead child's last output may take to reach its l
 PIPE_BYTES = 1 << 20  # Linux's default limit for an unprivileged process
 
 
-def _load_libc() -> ctypes.CDLL | None:
-    try:
-        return ctypes.CDLL("libc.so.6", use_errno=True)
-    except OSError:
-        return None
+class Adopted:
+    """A leader started by an earlier supervisor (killed, or restarted), watched by
+    pid: it is not our child, so its exit code is not ours to read (init reaps it)."""
 
+    def __init__(self, pid: int):
+        self.pid = pid
+        self._process = psutil.Process(pid)
 
-# Loaded here rather than in the forked child: the log threads run while a child is
-# forked, and the child must not need the dynamic loader's lock one of them might hold.
-_LIBC = _load_libc() if sys.platform.startswith("linux") else None
+    def poll(self) -> int | None:
+        """None while it runs; -1 once it is gone (its code unknown)."""
+        try:
+            if self._process.is_running() and self._process.status() != psutil.STATUS_ZOMBIE:
+                return None
+        except psutil.NoSuchProcess:
+            pass
+        return -1
 
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    if _LIBC is not None:
-        _LIBC.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    def wait(self, timeout: float | None = None) -> int:
+        try:
+            self._process.wait(timeout)
+        except psutil.NoSuchProcess:
+            pass
+        except psutil.TimeoutExpired:
+            raise subprocess.TimeoutExpired(str(self.pid), timeout) from None
+        return -1
 
 
 def port_in_use(host: str, port: int) -> bool:
@@ -76,7 +88,7 @@ class Child:
     tag: str | None = None  # TAG_ENV's value, the same for every restart of this child
     supervision: Supervision = dataclasses.field(default_factory=Supervision)
     clock: Callable[[], float] = time.monotonic  # tests pass their own
-    process: subprocess.Popen | None = None
+    process: subprocess.Popen | Adopted | None = None
     restarts: int = 0
     started_at: float = 0.0
     healthy: bool = False
@@ -84,10 +96,9 @@ class Child:
     # it is down ("exited with code 4", "could not start: ...").
     next_start_at: float | None = None
     down_because: str = ""
+    silent_since: float | None = None  # not answering since (runtime/liveness.py)
     _backoff: RestartBackoff | None = dataclasses.field(default=None, init=False, repr=False)
-    _log: ChildLog | None = dataclasses.field(default=None, init=False, repr=False)
-    _log_thread: threading.Thread | None = dataclasses.field(default=None, init=False,
-                                                             repr=False)
+    _relay: subprocess.Popen | None = dataclasses.field(default=None, init=False, repr=False)
 
     @property
     def backoff(self) -> RestartBackoff:
@@ -96,10 +107,17 @@ class Child:
         return self._backoff
 
     def start(self) -> None:
-        if self._log is None:
-            self._log = ChildLog(self.log_path, self.supervision)
-        self._log.write(f"\n==== epd-serve: starting {self.name} at {time.ctime()} ====\n")
+        self._wait_log_copied(LOG_DRAIN_S)  # the last incarnation's relay writes its end
         read_end, write_end = os.pipe()
+        _widen_pipe(read_end)
+        try:
+            self._relay = subprocess.Popen(
+                [sys.executable, "-m", "epd_serve.runtime.log_relay", str(self.log_path),
+                 str(int(self.supervision.log_max_bytes)), str(self.supervision.log_files),
+                 "--banner", f"\n==== epd-serve: starting {self.name} at {time.ctime()} ====\n"],
+                stdin=read_end, stdout=subprocess.DEVNULL, start_new_session=True)
+        finally:
+            os.close(read_end)  # the relay holds the only copy
         try:
             self.process = subprocess.Popen(
                 self.command,
@@ -108,17 +126,18 @@ class Child:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
-                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
             )
-        except BaseException:
-            os.close(read_end)
-            raise
         finally:
             os.close(write_end)  # the child (and what it starts) holds the only copies
-        _widen_pipe(read_end)
-        self._log_thread = self._log.follow(read_end, self.name)
         self.started_at = self.clock()
         self.healthy = False
+
+    def adopt(self, pid: int) -> None:
+        """Watch a leader an earlier supervisor started (still running, with this
+        child's tag) instead of starting one: its log relay goes on writing its log."""
+        self.process = Adopted(pid)
+        self.started_at = self.clock()
+        self.healthy = False  # until it answers its health URL again
 
     def exit_code(self) -> int | None:
         return None if self.process is None else self.process.poll()
@@ -155,6 +174,14 @@ class Child:
         else:
             event = f"{self.name}: back-off over; "
         return event + (self.try_start(now) or "")
+
+    def kill_hung(self, why: str) -> str:
+        """It is there but has not answered for too long (liveness.py): kill its tree
+        (SIGKILL reaches a stopped process), for `revive` to restart it as after a
+        crash. Returns what happened."""
+        sweep = kill_trees([self.tree()], LEFTOVER_GRACE_S)
+        self.healthy, self.silent_since = False, None
+        return f"{self.name} is hung ({why}): killed {plural(sweep.killed, 'process')}"
 
     def try_start(self, now: float | None = None) -> str | None:
         """Start it now; a start that fails (no such command, no memory to fork, a
@@ -194,16 +221,17 @@ class Child:
         return "running" if code is None else f"exited with code {code}"
 
     def close_log(self, timeout_s: float = LOG_DRAIN_S) -> None:
-        """Once its processes are gone: copy the rest of what they wrote, close the file."""
+        """Once its processes are gone: let the relay write the rest of what they wrote."""
         self._wait_log_copied(timeout_s)
-        if self._log is not None:
-            self._log.close()
 
     def _wait_log_copied(self, timeout_s: float) -> None:
-        # Ends when every process holding the pipe has exited; leftovers of a dead
-        # leader may hold it a while longer, so this waits at most timeout_s.
-        if self._log_thread is not None:
-            self._log_thread.join(timeout_s)
+        # The relay ends when every process holding the pipe has exited; leftovers of a
+        # dead leader may hold it a while longer, so this waits at most timeout_s.
+        if self._relay is not None:
+            try:
+                self._relay.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
 
 
 def _widen_pipe(fd: int) -> None:

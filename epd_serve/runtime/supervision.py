@@ -11,13 +11,10 @@ deployment file's `supervision` section (epd_serve/deployment/schema.py).
 
 from __future__ import annotations
 
-import codecs
 import logging
 import shutil
-import threading
 import time
 from collections.abc import Callable, Sequence
-from logging.handlers import RotatingFileHandler
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +22,9 @@ import httpx
 
 from epd_serve.deployment.schema import Supervision
 from epd_serve.deployment.resolve import ResolvedDeployment
+from epd_serve.runtime.log_relay import ChildLog
+
+__all__ = ["ChildLog", "LaunchError", "RestartBackoff"]
 
 logger = logging.getLogger(__name__)
 
@@ -147,67 +147,3 @@ class RestartBackoff:
         # Bounded exponent: a loop of thousands of crashes must not overflow the float.
         return min(self.settings.backoff_s * 2.0 ** min(doublings, 64),
                    self.settings.backoff_max_s)
-
-
-# A longer line reaches the log in pieces of this size (a rollover may fall between them).
-LOG_LINE_LIMIT = 16 << 10
-
-
-class _Handler(RotatingFileHandler):
-    """Reports writes that fail (a full disk) once until one succeeds again, instead of
-    a traceback per line."""
-
-    failing = False
-    _failed = False
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self._failed = False
-        super().emit(record)  # calls handleError if the write failed
-        if not self._failed:
-            self.failing = False
-
-    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
-        self._failed = True
-        if not self.failing:
-            self.failing = True
-            logger.warning("cannot write %s; its lines are dropped until it can",
-                           self.baseFilename, exc_info=True)
-
-
-class ChildLog:
-    """One process's log file, rolled over by size by the standard library's
-    RotatingFileHandler: <name>.log, then .log.1 up to .log.<log_files - 1>, so it never
-    takes more than log_files x log_max_bytes. The process does not write the file
-    itself (it could not follow a rollover): it writes into a pipe that a thread of
-    ours copies into the file line by line, so no line is lost when the file rolls over,
-    and a full disk drops lines instead of blocking the process."""
-
-    def __init__(self, path: Path, settings: Supervision):
-        self.path = path
-        self._handler = _Handler(path, maxBytes=settings.log_max_bytes,
-                                 backupCount=settings.log_files - 1, encoding="utf-8",
-                                 errors="replace")
-        self._handler.terminator = ""  # what is written carries its own line ends
-
-    def write(self, text: str) -> None:
-        # handle() takes the handler's lock: a restart's banner and the copying threads
-        # of two incarnations never interleave within a line.
-        self._handler.handle(logging.makeLogRecord({"msg": text}))
-
-    def follow(self, pipe_fd: int, name: str) -> threading.Thread:
-        """Copy what is written into the pipe's other end to the log, until every
-        process holding that end (a process and all it started) has closed it. Takes
-        ownership of pipe_fd."""
-        thread = threading.Thread(target=self._copy, args=(pipe_fd,), name=f"log of {name}",
-                                  daemon=True)
-        thread.start()
-        return thread
-
-    def _copy(self, pipe_fd: int) -> None:
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        with open(pipe_fd, "rb") as pipe:
-            while line := pipe.readline(LOG_LINE_LIMIT):
-                self.write(decoder.decode(line))
-
-    def close(self) -> None:
-        self._handler.close()

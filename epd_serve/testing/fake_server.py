@@ -32,6 +32,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from epd_serve.bench.client import run
 from epd_serve.protocols import ascend_layerwise, encoder, epd_push, mooncake_pull
 from epd_serve.protocols.params import ParamsError, from_dict, to_dict
+from epd_serve.proxy.liveness import PROBE_TEXT
 from epd_serve.proxy.request import MEDIA_PARTS
 
 # The parts an encoder computes a feature of: the proxy's one table of media parts,
@@ -74,7 +75,13 @@ def _init_state(state, fail_status: int | None) -> None:
     # Fail requests that carry image references (a prefill whose feature went missing).
     state.reject_references = False
     state.delay_s = 0.0  # extra time before answering (a slow engine)
-    state.hold = False  # answer nothing until a test sets it back (a busy engine)
+    # Answer nothing until a test sets it back (a busy engine computing a long request):
+    # a one-token liveness request (proxy/liveness.py) is still answered, as a busy
+    # engine answers it at its next step.
+    state.hold = False
+    # /health answers, generation never does (the proxy's one-token check included):
+    # an engine core stopped or wedged under a live API server.
+    state.core_stopped = False
     # Answer nothing at all, /health included, until a test sets it back: a stopped
     # process (SIGSTOP) whose kernel still accepts connections. Requests are recorded
     # before they hang, so a test can see which reached it.
@@ -222,6 +229,12 @@ async def _answer(request: Request, kind: str):
                                "request_id": request_id,
                                "traceparent": request.headers.get("traceparent")})
     await _hang_while_stopped(state)
+    while state.core_stopped:
+        await asyncio.sleep(0.01)
+    if _is_liveness_probe(body):
+        return {"id": "probe", "object": f"{kind}.completion", "model": spec.name,
+                "choices": [{"index": 0, "finish_reason": "length", "text": "t0"}],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
     if state.fail_status:
         return JSONResponse({"error": {"message": f"{spec.name} is failing on purpose"}},
                             status_code=state.fail_status)
@@ -253,6 +266,17 @@ async def _answer(request: Request, kind: str):
             "choices": [{"index": 0, "finish_reason": "length", **message}],
             "usage": usage, "kv_transfer_params": kv_params,
             "ec_transfer_params": _published(parts) or None}
+
+
+def _is_liveness_probe(body: dict) -> bool:
+    """The proxy's one-token request that shows the engine steps (proxy/liveness.py)."""
+    if body.get("max_tokens") != 1:
+        return False
+    if body.get("prompt") == PROBE_TEXT:
+        return True
+    parts = [p for m in body.get("messages") or [] if isinstance(m.get("content"), list)
+             for p in m["content"]]
+    return any(p.get("text") == PROBE_TEXT for p in parts)
 
 
 def _choice_chunk(kind: str, i: int) -> dict:

@@ -11,7 +11,9 @@ client once prefill has succeeded. If prefill fails, decode's request is closed 
 frees its blocks) and the pair is retried on the next prefill instance; a 4xx from
 prefill is the client's error and is returned as is. When the last prefill instance
 cannot be reached at all (it died), decode's request is kept: decode notices the dead
-peer and computes the prompt itself, so the request is slower but not lost.
+peer and computes the prompt itself, so the request is slower but not lost. A prefill
+found hung is not dead (its worker may answer decode while its engine core computes
+nothing): decode's hop ends too, and the request is planned again without it.
 What both are sent and the transfer report decode answers with are the structs of
 protocols/epd_push.py; a report that does not match, or that says decode refused what
 it was sent (a field missing or renamed), fails the request with a 502 naming the
@@ -104,7 +106,11 @@ class EPDPush(Handoff):
                         raise
                     last = err
                     continue
-                if err.unreachable and index == len(prefill) - 1:
+                if err.unreachable and err.reason != "instance_hung" \
+                        and index == len(prefill) - 1:
+                    # Prefill is gone: decode notices its dead peer and computes the
+                    # prompt. (A hung prefill is not: its worker may still answer decode
+                    # while its engine computes nothing, so decode's hop is ended too.)
                     return await decoding
                 await _cancel(decoding, discard)
                 if err.status < 500:

@@ -31,13 +31,40 @@ STORE_CAPACITY = 64 << 20
 ENGINE_PYTHON = os.environ.get("EPD_E2E_ENGINE_PYTHON") or None
 
 
+# The order the modules run in: each starts with the deployment the one before left
+# running where it can (a deployment takes about a minute to start; `Deployments`
+# keeps one up and reuses it for the same file and settings). A module not listed runs
+# after these, by name.
+MODULE_ORDER = (
+    "test_epd_cpu",  # (E-P)-D, then E-P-D
+    "test_epd_cpu_amx", "test_epd_cpu_degraded", "test_fingerprint",  # E-P-D
+    "test_hostile_clients",  # E-P-D, then E-P-D with the Mooncake store
+    "test_mmstore_mooncake",  # E-P-D with the Mooncake store
+    "test_openai_surface",  # that, then (E-P)-D, P-D (mooncake hand-off), TP1
+    "test_planner_e2e",  # TP1, then E-P-D with the Mooncake store
+    "test_load_e2e",  # E-P-D, then its own TP1 (stops the shared one)
+    "test_kv_handoff",  # P-2D
+    "test_proxy_e2e", "test_ray_cluster", "test_role_switch",
+)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Mark every test under tests/e2e `e2e`, so `-m "not e2e"` selects the unit tests.
-    (Pytest hands this hook every collected item, not only this folder's.)"""
+    """Mark every test under tests/e2e `e2e`, so `-m "not e2e"` selects the unit tests,
+    and run the modules in MODULE_ORDER. (Pytest hands this hook every collected item,
+    not only this folder's.)"""
     here = Path(__file__).parent
     for item in items:
         if here in item.path.parents:
             item.add_marker(pytest.mark.e2e)
+
+    def rank(item) -> tuple[int, str]:
+        if here not in item.path.parents:
+            return -1, ""  # unit tests keep their place, first
+        module = item.path.stem
+        order = MODULE_ORDER.index(module) if module in MODULE_ORDER else len(MODULE_ORDER)
+        return order, module
+
+    items.sort(key=rank)  # stable: tests keep their order within a module
 
 
 def _interfaces() -> list[str]:

@@ -264,3 +264,49 @@ def test_with_the_encoder_killed_prefill_encodes_images_until_it_is_back(dep, de
     stood_in = serve_until_back(dep, launcher, e, "E", "P")
     assert fallbacks(dep, "E", "P") - counted == 1 + stood_in
     check_normal_path(dep)
+
+
+def engine_core_of(launcher, name: str) -> psutil.Process:
+    """The engine core process of instance `name` (vLLM names it VLLM::EngineCore)."""
+    child = next(c for c in launcher.children if c.name == name)
+    leader = psutil.Process(child.process.pid)
+    return next(p for p in leader.children(recursive=True)
+                if "EngineCore" in " ".join(p.cmdline()) or "EngineCore" in p.name())
+
+
+def test_an_engine_core_stopped_under_its_api_server_is_bypassed_and_restarted(dep, deployments):
+    """SIGSTOP of prefill's engine core alone (its API server answers /health): every
+    request is still answered within 30 s (decode computes the prompt while prefill is
+    out), and the supervisor restarts prefill with a new engine core within two
+    minutes, after which the normal path resumes."""
+    e, p, d = names(dep)
+    launcher = deployments.current[2]
+    wait_all_healthy(dep, RESTART_TIMEOUT_S)
+    core = engine_core_of(launcher, p)
+    core.suspend()
+    try:
+        started, answered, longest = time.monotonic(), 0, 0.0
+        while True:
+            launcher.supervise_once()
+            sent = time.monotonic()
+            resp = httpx.post(dep.proxy_url + "/v1/chat/completions", json=body(dep, "text"),
+                              timeout=60)
+            took = time.monotonic() - sent
+            assert resp.status_code == 200, resp.text
+            assert took < 30.0, f"a request waited {took:.0f} s on the stopped core"
+            answered, longest = answered + 1, max(longest, took)
+            try:
+                new_core = engine_core_of(launcher, p)
+            except (StopIteration, psutil.Error):
+                new_core = None
+            if new_core is not None and new_core.pid != core.pid \
+                    and proxy_instances(dep)[p]["healthy"]:
+                break
+            assert time.monotonic() - started < 120, f"{p} got no new engine core in 2 min"
+            time.sleep(1.0)
+        print(f"{p}'s engine core stopped: {answered} requests answered meanwhile (longest "
+              f"{longest:.1f} s); a new core after {time.monotonic() - started:.0f} s")
+    finally:
+        if core.is_running():
+            core.resume()
+    check_normal_path(dep)

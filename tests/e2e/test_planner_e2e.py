@@ -10,24 +10,8 @@ from epd_serve.planner import deployment_profile, machine, profiler, simulator
 from epd_serve.planner import profile as profiles
 
 
-def test_hand_offs_of_a_real_split_deployment(deployments):
-    # The deployment the MM Store tests left up: no restart.
-    dep = deployments.get("e-p-d.yaml", mm_store={"backend": "mooncake"})
-    engine = profiles.load("cpu-tiny-qwen2-vl")
-    slo = SLO(ttft_ms=2000, tpot_ms=200)
-    prof = profiler.measure_handoffs(engine, dep, slo, requests=6, rate=2.0, runs=2)
-    t = prof.transfers
-    for samples in (t.kv_samples_ms, t.feature_samples_ms):
-        assert len(samples) == 21 and samples == sorted(samples) and samples[0] >= 0
-    assert t.kv_fixed_ms == pytest.approx(prof.measured["handoffs"]["kv_fixed_ms"], abs=0.01)
-    assert t.blocking  # a CPU host: hand-offs compete with the engines for the cores
-    assert prof.llm.consumer_step_ms >= 0
-    assert prof.measured["handoffs"]["deployment"] == "E-P-D"
-    assert prof.measured["handoffs"]["runs"] == 2
-
-
 def test_profile_a_real_engine(deployments, tmp_path):
-    dep = deployments.get("tp1.yaml")
+    dep = deployments.get("tp1.yaml")  # left up by test_openai_surface
     # A TTFT SLO tight enough that the prefill limit (alpha x 80 ms) falls inside the
     # probed range on this machine's tiny model.
     slo = SLO(ttft_ms=80, tpot_ms=50)
@@ -64,3 +48,18 @@ def test_profile_a_real_engine(deployments, tmp_path):
                                 arrivals.poisson(20, 1.0), slo, 1.0)
     assert run.summary["success_requests"] == 20
     assert np.isfinite(run.summary["ttft_ms"]["median"])
+
+
+def test_hand_offs_of_a_real_split_deployment(deployments):
+    dep = deployments.get("e-p-d.yaml", mm_store={"backend": "mooncake"})
+    engine = profiles.load("cpu-tiny-qwen2-vl")
+    slo = SLO(ttft_ms=2000, tpot_ms=200)
+    prof = profiler.measure_handoffs(engine, dep, slo, requests=6, rate=2.0, runs=2)
+    t = prof.transfers
+    for samples in (t.kv_samples_ms, t.feature_samples_ms):
+        assert len(samples) == 21 and samples == sorted(samples) and samples[0] >= 0
+    assert t.kv_fixed_ms == pytest.approx(prof.measured["handoffs"]["kv_fixed_ms"], abs=0.01)
+    assert t.blocking  # a CPU host: hand-offs compete with the engines for the cores
+    assert prof.llm.consumer_step_ms >= 0
+    assert prof.measured["handoffs"]["deployment"] == "E-P-D"
+    assert prof.measured["handoffs"]["runs"] == 2

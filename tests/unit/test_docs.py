@@ -45,7 +45,7 @@ LOG_LINES = ("epd-serve AMX tile permission", "epd-serve queue readers nap")
 # the code map's, checked below).
 REPO_PATH = re.compile(
     r"(?<![\w./:-])((?:scripts|benchmarks|configs|docs|epd_serve|backends|proxy|tests)"
-    r"/[\w.*+/-]*[\w*/])")
+    r"/[\w.*+/@-]*[\w*/])")
 
 
 @dataclass(frozen=True)

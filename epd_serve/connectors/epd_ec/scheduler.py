@@ -61,7 +61,7 @@ from epd_serve.connectors.epd_ec.form import FeatureForm
 from epd_serve.connectors.epd_ec.loader import Feature, FeatureLoader
 from epd_serve.connectors.epd_ec.settings import Settings
 from epd_serve.connectors.epd_ec.stats import LoggedCounts, Recorder
-from epd_serve.mmstore import FeatureMeta, FeatureStore, open_store
+from epd_serve.mmstore import FeatureMeta, FeatureStore, attach_store
 from epd_serve.protocols.encoder import EncoderParams
 from epd_serve.protocols.feature_chunks import VIDEO_KEYS_ARG, part_keys
 from epd_serve.protocols.params import ParamsError, from_dict, to_dict
@@ -118,8 +118,8 @@ class EPDECScheduler:
         self.store: FeatureStore | None = None
         self.loader: FeatureLoader | None = None
         if consumer:
-            self.store = open_store(settings.store, local_host=settings.host,
-                                    wait_s=settings.open_timeout_s)
+            self.store = attach_store(settings.store, local_host=settings.host,
+                                      wait_s=settings.open_timeout_s)
             listen = None
             if settings.prefetch_port is not None:
                 listen = (settings.host, settings.prefetch_port)

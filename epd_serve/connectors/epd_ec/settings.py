@@ -24,9 +24,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     # The longest a request waits for its feature's read (a store that stopped
     # answering) before the consumer encodes the image itself.
     load_timeout_s: float = 5.0
-    # How long an engine starting waits for the store to answer: beside busy engines on
-    # a small host its first answer took over 2 s (the engine then failed to start).
-    open_timeout_s: float = 30.0
+    # How long an engine's first attempt to reach the store waits for an answer (beside
+    # busy engines on a small host the first took over 2 s). An engine starts whether
+    # or not the store answers, and attaches to it when it does (mmstore/attach.py).
+    open_timeout_s: float = 5.0
     # Mooncake backend: memory a producer lends to the pool (0: a holder process does).
     segment_bytes: int = 0
 

@@ -31,7 +31,7 @@ from epd_serve.connectors.epd_ec.scheduler import ECStep, Load
 from epd_serve.connectors.epd_ec.settings import Settings
 from epd_serve.connectors.epd_ec.stats import EPDECWorkerMeta, LoggedCounts, Recorder
 from epd_serve.connectors.spans import ConnectorSpans, wall_ns
-from epd_serve.mmstore import FeatureMeta, FeatureStore, StoreError, open_store
+from epd_serve.mmstore import FeatureMeta, FeatureStore, StoreError, attach_store
 
 log = logging.getLogger("vllm.epd_serve.ec")
 
@@ -65,8 +65,8 @@ class EPDECWorker:
         # Only a producer talks to the store here: a consumer's scheduler side reads.
         self.store: FeatureStore | None = None
         if producer:
-            self.store = open_store(settings.store, segment_bytes=settings.segment_bytes,
-                                    local_host=settings.host, wait_s=settings.open_timeout_s)
+            self.store = attach_store(settings.store, segment_bytes=settings.segment_bytes,
+                                      local_host=settings.host, wait_s=settings.open_timeout_s)
         self.recorder = Recorder()
         self._logged = None if compat.EC_WORKER_META else LoggedCounts(self.recorder, "worker")
         # Tensor-parallel ranks all hold the whole feature: one of them stores it, and

@@ -6,7 +6,10 @@ posted through `post()` (an inproc queue that wakes it at once). The same thread
 `on_tick()` every `tick_s`, which is where timeouts are checked.
 - prefill: `Channel.serve(host, port)` binds a ROUTER; replies go to the peer's identity.
 - decode: `Channel.client()` keeps one DEALER per prefill address (ZeroMQ reconnects
-  it by itself when that prefill restarts on the same address).
+  it by itself when that prefill restarts on the same address), and watches its
+  connection (a ZeroMQ socket monitor): `connected(address)` is False once it is closed
+  or refused (the process is gone: the kernel closed its sockets), and stays True for a
+  process that is there but stopped (its kernel keeps the connection).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import uuid
 from collections.abc import Callable
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 logger = logging.getLogger("vllm.epd_serve.kv.channel")
 
@@ -37,6 +41,8 @@ class Channel:
         self._local = threading.local()
         self._router: zmq.Socket | None = None
         self._dealers: dict[str, zmq.Socket] = {}
+        self._monitors: dict[zmq.Socket, str] = {}  # a dealer's monitor -> its address
+        self._connected: dict[str, bool] = {}  # address -> its connection is up
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -83,10 +89,27 @@ class Channel:
             # Unsent messages to a prefill that is gone are dropped after a while
             # instead of piling up; the timeouts above us decide what happens.
             sock.setsockopt(zmq.SNDHWM, 10000)
+            monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+                                               | zmq.EVENT_CONNECT_RETRIED)
             sock.connect(f"tcp://{address}")
             self._dealers[address] = sock
+            self._monitors[monitor] = address
             self._poller.register(sock, zmq.POLLIN)
+            self._poller.register(monitor, zmq.POLLIN)
         return sock
+
+    def connected(self, address: str) -> bool | None:
+        """(The I/O thread.) Whether the connection to the prefill at `address` is up:
+        False once it closed or was refused (its process is gone), None before any."""
+        return self._connected.get(address)
+
+    def _watch(self, monitor: zmq.Socket) -> None:
+        while True:
+            try:
+                event = recv_monitor_message(monitor, zmq.NOBLOCK)["event"]
+            except zmq.Again:
+                return
+            self._connected[self._monitors[monitor]] = event == zmq.EVENT_CONNECTED
 
     def _send(self, peer: str, payload: bytes) -> None:
         if self._router is not None:
@@ -121,6 +144,8 @@ class Channel:
                         except zmq.Again:
                             break
                         self.handler(identity.decode(), payload)
+                for monitor in [m for m in self._monitors if m in ready]:
+                    self._watch(monitor)
                 addresses = {sock: addr for addr, sock in self._dealers.items()}
                 for sock, address in addresses.items():
                     if sock in ready:

@@ -55,10 +55,12 @@ class Draining:
 
 
 class Drainer:
-    """Calls `on_drained(transfer_id)` once a failed write's segments have all ended, or
-    after `timeout_s` (as the transfer engine itself gives up on them by then)."""
+    """Calls `on_drained(transfer_id, ended)` once a failed write's segments have all
+    ended (True), or after `timeout_s` without knowing (False): the request's own blocks
+    are released then, but decode is not told `Released` (its blocks stay fenced: a
+    segment still running may land in them)."""
 
-    def __init__(self, link: Link, on_drained: Callable[[str], None],
+    def __init__(self, link: Link, on_drained: Callable[[str, bool], None],
                  timeout_s: float = DRAIN_TIMEOUT_S):
         self.link = link
         self.on_drained = on_drained
@@ -79,19 +81,21 @@ class Drainer:
 
     def _done_with(self, draining: Draining) -> bool:
         """Look at one failed write; True once it is done with (and reported)."""
+        ended = False
         try:
-            if not self.link.segments_ended(draining.write):
+            ended = self.link.segments_ended(draining.write)
+            if not ended:
                 if time.monotonic() < draining.deadline:
                     return False
                 logger.error("epd-kv: transfer %s: %d segment(s) of a failed write still "
-                             "running after %.0fs; its blocks are released anyway",
-                             draining.transfer_id,
+                             "running after %.0fs; this request's blocks are released, "
+                             "decode's stay fenced", draining.transfer_id,
                              len(draining.write.ids) - draining.write.checked, self.timeout_s)
         except Exception:  # one odd answer must not leave the transfer pinned for good
             logger.exception("epd-kv: transfer %s: checking a failed write's segments failed",
                              draining.transfer_id)
         try:
-            self.on_drained(draining.transfer_id)
+            self.on_drained(draining.transfer_id, ended)
         except Exception:  # nor end this thread, which the other failed writes need
             logger.exception("epd-kv: transfer %s: settling a drained write failed",
                              draining.transfer_id)

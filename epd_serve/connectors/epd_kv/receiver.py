@@ -11,14 +11,26 @@ it sets none) handles prefill's messages and, every tick, the checks:
   cancels it and gives it up (a reservation that arrives late must not be written);
 - a transfer that has not ended by its deadline (`Settings.receive_timeout_s`, sized
   to the bytes reserved): decode cancels it and gives it up;
-- a prefill worker that stops answering pings for `peer_timeout_s`, or answers as a new
-  incarnation (it restarted): its transfers are failed, nothing stale is kept;
+- a prefill worker that stops answering pings for `peer_timeout_s`: if its process is
+  gone (the side channel's connection closed or refused: a dead process writes
+  nothing) its transfers are given up at once; if it is there (stopped, wedged: its
+  kernel keeps the connection) they are failed and cancelled but their blocks held
+  (fenced): a stopped process resumes and writes what it had queued;
+- a prefill that answers as a new incarnation (it restarted: the old one writes
+  nothing): its transfers are given up at once;
 - a transfer the prefill worker answers pings without (`Pong.known`) for a heartbeat:
   it has ended there and what said so was lost; prefill forgets a transfer only once
-  none of its writes is running, so it is given up at once;
-- a failed transfer whose writes are still in flight is held until prefill says they
-  ended (`Released`), at most `release_grace_s`, so no late write lands in blocks the
-  engine has already given to another request.
+  none of its writes is running (or could be: a failed write it gave up waiting for
+  stays listed), so it is given up at once;
+- a failed transfer whose writes may still run is held until prefill says they ended
+  (`Released`, or a `Done` or `Failed` with none in flight that crossed decode's
+  Cancel), its process is gone, or it answers pings without it for
+  `release_grace_s`; one still listed or silent past `release_grace_s` is fenced, and
+  held for `fence_max_s` at most (then given back, counted: prefill refuses writes for
+  reservations that old, `Settings.stale_reservation_s`). So no late write lands in
+  blocks the engine has given to another request. The request itself waits for its
+  blocks; the proxy, which sees a stopped prefill as hung, aborts it and sends it on
+  (vLLM keeps an aborted request's blocks until we report them).
 Failed transfers are reported to vLLM as failed receives (before vLLM 0.32: as the
 blocks they were to fill, connector.py); with `kv_load_failure_policy: recompute` the
 engine then computes the prompt itself.
@@ -59,6 +71,8 @@ class Incoming:
     outcome: str | None = None  # "done" | "failed" | "cancelled"
     reason: str = ""
     waiting_release_since: float | None = None  # writes may still land until Released
+    fenced: bool = False  # held: its prefill went silent (not known gone) or still writes
+    known_at: float | None = None  # when prefill's pongs last listed it (writes may run)
     missing_since: float | None = None  # acknowledged, then absent from prefill's pongs
     stats: msg.TransferStats | None = None
     resolved: bool = False  # reported to vLLM (or about to be)
@@ -68,6 +82,7 @@ class Incoming:
 class Peer:
     last_ping: float = 0.0
     last_heard: float = 0.0
+    silent: bool = False  # no message since it was found silent (pings go on)
     incarnation: str | None = None
 
 
@@ -181,7 +196,7 @@ class Receiver:
         now = time.monotonic()
         with self._lock:
             peer = self._peers.setdefault(address, Peer())
-            peer.last_heard = now
+            peer.last_heard, peer.silent = now, False
             if isinstance(message, msg.Pong):
                 self._check_incarnation(address, peer, message.incarnation)
                 self._check_known(address, message, now)
@@ -202,13 +217,22 @@ class Receiver:
             elif isinstance(message, msg.Done):
                 incoming.stats = message.stats
                 self._conclude(incoming, "done")
+                self._writes_ended(incoming)  # a Done decode no longer waited for
             elif isinstance(message, msg.Failed):
                 self._conclude(incoming, "failed", message.reason,
                                in_flight=message.in_flight > 0)
+                if message.in_flight == 0:
+                    self._writes_ended(incoming)
             elif isinstance(message, msg.Released):
-                if incoming.waiting_release_since is not None:
-                    incoming.waiting_release_since = None
-                    self._resolve(incoming)
+                self._writes_ended(incoming)
+
+    def _writes_ended(self, incoming: Incoming) -> None:
+        """(Lock held.) Prefill says no write of this transfer runs any more (Released,
+        or a Done or Failed that overtook decode's own giving up): a transfer held for
+        its writes is reported now."""
+        if incoming.waiting_release_since is not None:
+            incoming.waiting_release_since = None
+            self._resolve(incoming)
 
     def _check_incarnation(self, address: str, peer: Peer, incarnation: str) -> None:
         """A new incarnation on the same address is a restarted prefill engine: what the
@@ -229,6 +253,8 @@ class Receiver:
         just before."""
         known = set(pong.known)
         for incoming in self._incoming.values():
+            if incoming.address == address and incoming.plan.transfer_id in known:
+                incoming.known_at = now
             if incoming.address != address or incoming.resolved or not incoming.acked \
                     or incoming.incarnation != pong.incarnation:
                 continue
@@ -266,25 +292,83 @@ class Receiver:
                                    f"reservation", in_flight=True)
                     self.channel.post(incoming.address,
                                       msg.encode(msg.Cancel(incoming.plan.transfer_id)))
-                elif incoming.waiting_release_since is not None \
-                        and now - incoming.waiting_release_since > self.settings.release_grace_s:
-                    logger.warning("epd-kv: transfer %s: no release from prefill after %.0fs",
-                                   incoming.plan.transfer_id, self.settings.release_grace_s)
-                    incoming.waiting_release_since = None
-                    self._resolve(incoming)
+                elif incoming.waiting_release_since is not None:
+                    self._maybe_release(incoming, now)
             for address in {i.address for i in pending}:
                 peer = self._peers[address]
                 if now - peer.last_heard > self.settings.peer_timeout_s:
-                    for incoming in pending:
-                        if incoming.address == address and not incoming.resolved:
-                            self._conclude(incoming, "failed", f"prefill worker {address} "
-                                           f"silent for {self.settings.peer_timeout_s:.0f}s")
-                            self._resolve(incoming)  # a silent process writes nothing
-                    peer.last_heard = now
+                    self._silent(address, pending)
+                    peer.silent = True
+                    peer.last_heard = now  # keep pinging it: its answers end the fence
                 elif now - peer.last_ping > self.settings.heartbeat_s:
                     peer.last_ping = now
                     ids = [i.plan.transfer_id for i in pending if i.address == address]
                     self.channel.post(address, msg.encode(msg.Ping(ids)))
+
+    def _silent(self, address: str, pending: list[Incoming]) -> None:
+        """(Lock held.) Prefill at `address` is silent: its transfers fail (decode
+        computes those prompts). If its process is gone (its connection closed or
+        refused) they are given up at once: a dead process writes nothing. If it is
+        there (stopped, wedged: its kernel keeps the connection), they are cancelled and
+        their blocks held: it may resume and write what it had queued."""
+        if self.channel.connected(address) is False:
+            for incoming in pending:
+                if incoming.address == address and not incoming.resolved:
+                    self._conclude(incoming, "failed", f"prefill worker {address} is gone")
+                    self._resolve(incoming)
+            return
+        for incoming in pending:
+            if incoming.address != address or incoming.resolved:
+                continue
+            if incoming.outcome is None:
+                self._conclude(incoming, "failed", f"prefill worker {address} silent for "
+                               f"{self.settings.peer_timeout_s:.0f}s", in_flight=True)
+                self.channel.post(address, msg.encode(msg.Cancel(incoming.plan.transfer_id)))
+            if not incoming.fenced:
+                incoming.fenced = True
+                self.stats.record("fenced")
+                logger.warning("epd-kv: transfer %s of request %s: prefill worker %s is "
+                               "silent; its %d blocks are held until it says no write runs",
+                               incoming.plan.transfer_id, incoming.plan.request_id, address,
+                               len(incoming.plan.block_ids))
+
+    def _maybe_release(self, incoming: Incoming, now: float) -> None:
+        """(Lock held.) A failed transfer waiting for `Released`: its blocks go back once
+        its prefill's process is gone; after `release_grace_s` if prefill answers pings
+        without it (it has dealt with everything decode sent before, the Cancel included,
+        and no write of it runs); while prefill is silent or still lists it (a write of it
+        may run: a transport slower than every deadline), they are held (fenced, counted)
+        for `fence_max_s` at most."""
+        held = now - incoming.waiting_release_since
+        peer = self._peers.get(incoming.address)
+        answering = peer is not None and not peer.silent \
+            and now - peer.last_heard < self.settings.peer_timeout_s
+        running = incoming.known_at is not None \
+            and now - incoming.known_at < 3 * self.settings.heartbeat_s
+        if self.channel.connected(incoming.address) is False:
+            pass  # its process is gone: nothing of it can land any more
+        elif answering and not running and held > self.settings.release_grace_s:
+            logger.warning("epd-kv: transfer %s: no release from prefill after %.0fs; it no "
+                           "longer lists the transfer", incoming.plan.transfer_id,
+                           self.settings.release_grace_s)
+        elif held > self.settings.fence_max_s:
+            self.stats.record("fence_expired")
+            logger.error("epd-kv: transfer %s: prefill worker %s silent for over %.0fs; its "
+                         "blocks are given back (it refuses writes for reservations that "
+                         "old)", incoming.plan.transfer_id, incoming.address,
+                         self.settings.fence_max_s)
+        else:
+            if running and held > self.settings.release_grace_s and not incoming.fenced:
+                incoming.fenced = True
+                self.stats.record("fenced")
+                logger.warning("epd-kv: transfer %s of request %s: prefill worker %s still "
+                               "runs writes of it after %.0fs; its %d blocks are held until "
+                               "it says none runs", incoming.plan.transfer_id,
+                               incoming.plan.request_id, incoming.address,
+                               self.settings.release_grace_s, len(incoming.plan.block_ids))
+            return
+        incoming.waiting_release_since = None
+        self._resolve(incoming)
 
     # -- state changes (caller holds the lock) ------------------------------
     def _conclude(self, incoming: Incoming, outcome: str, reason: str = "",

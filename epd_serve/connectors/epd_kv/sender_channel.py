@@ -38,7 +38,7 @@ class DecodeMessages:
             self._on_reserve(peer, message)
         elif isinstance(message, msg.Ping):
             with self.table.lock:
-                known = [t for t in message.transfer_ids if t in self.table.transfers]
+                known = [t for t in message.transfer_ids if self.table.known(t)]
             self._reply(peer, msg.Pong(self.incarnation, known))
         elif isinstance(message, msg.Cancel):
             self._on_cancel(peer, message)
@@ -83,6 +83,7 @@ class DecodeMessages:
             if not error:
                 out = table.transfers.setdefault(res.transfer_id, Outgoing(res.transfer_id))
                 out.reservation, out.peer = res, peer
+                out.reserved_at = time.monotonic()
                 backlog, out.backlog = out.backlog, []
                 out.queued += len(backlog)
                 for job in backlog:

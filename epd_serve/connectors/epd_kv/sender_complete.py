@@ -84,10 +84,12 @@ class Completer:
         table.settle(out)
 
     # -- the drain thread -----------------------------------------------------
-    def drained(self, transfer_id: str) -> None:
-        """A failed write's last segments have ended: it is no longer in flight."""
+    def drained(self, transfer_id: str, ended: bool) -> None:
+        """A failed write's last segments have ended (or are given up on: `ended`
+        False, and decode is then never told its writes ended): no longer in flight."""
         with self.table.lock:
             out = self.table.transfers.get(transfer_id)
             if out is not None:
                 out.in_flight -= 1
+                out.segments_unknown |= not ended
                 self.table.settle(out)

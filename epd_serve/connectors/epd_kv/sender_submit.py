@@ -14,6 +14,8 @@ on with the next job. The network is never touched under the table's lock.
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import time
 
 from epd_serve.connectors.epd_kv import messages as msg
@@ -148,6 +150,15 @@ class Submitter:
         if out.reservation is None:
             out.backlog.append(job)
             return None
+        age = time.monotonic() - (out.reserved_at or time.monotonic())
+        if age > table.settings.stale_reservation_s:
+            # This process was stopped (or stalled) that long: decode may have given
+            # these blocks to another request by now. No write, ever, into them.
+            table.stats.record("stale_writes_refused")
+            table.fail(out, f"its reservation is {age:.0f}s old: decode holds blocks for a "
+                            f"silent prefill {table.settings.fence_max_s:.0f}s at most")
+            table.settle(out)
+            return None
         # From here the job counts as in flight: the request's blocks stay pinned
         # until its write has ended, whatever happens below.
         out.in_flight += 1
@@ -175,6 +186,11 @@ class Submitter:
         nbytes = sum(lens)
         timeout = self.table.deadlines.timeout_s(
             res.te_session, self.table.link_cost.model.transfer_s(pending + nbytes))
+        if fault == "stop_process":
+            # The worst moment for a pause (tests, the chaos soak): its reservation was
+            # found fresh, its write not yet handed to the transfer engine. Whoever
+            # injects it sends SIGCONT.
+            os.kill(os.getpid(), signal.SIGSTOP)
         write = self.link.submit(res.te_session, srcs, dsts, lens)
         now = time.perf_counter()
         return InFlight(job.transfer_id, write, nbytes, job.first_layer, job.last_layer,

@@ -73,6 +73,10 @@ class Outgoing:
     mode: str = "group"
     fault: str | None = None
     reservation: msg.Reserve | None = None
+    reserved_at: float | None = None  # time.monotonic() when the reservation came
+    # A failed write was given up on with segments maybe still running: decode is not
+    # told `Released` (its blocks stay fenced until its own bound).
+    segments_unknown: bool = False
     peer: str = ""  # decode's side-channel identity
     backlog: list[Job] = dataclasses.field(default_factory=list)
     queued: int = 0  # jobs waiting in the submit queue
@@ -112,6 +116,7 @@ class Ended:
     outcome: str
     reason: str
     at: float  # time.monotonic()
+    writes_may_run: bool = False  # a failed write given up on: still "known" to decode
 
 
 class EndedTransfers:
@@ -130,9 +135,10 @@ class EndedTransfers:
     def get(self, transfer_id: str) -> Ended | None:
         return self._ended.get(transfer_id)
 
-    def add(self, transfer_id: str, outcome: str, reason: str) -> None:
+    def add(self, transfer_id: str, outcome: str, reason: str,
+            writes_may_run: bool = False) -> None:
         self._ended.pop(transfer_id, None)  # an entry made again is the newest
-        self._ended[transfer_id] = Ended(outcome, reason, time.monotonic())
+        self._ended[transfer_id] = Ended(outcome, reason, time.monotonic(), writes_may_run)
         while len(self._ended) > self.capacity:
             del self._ended[next(iter(self._ended))]
 
@@ -242,7 +248,8 @@ class TransferTable:
             self.post(out, msg.Done(out.transfer_id, stats))
         if not out.settled:
             return
-        if out.outcome in ("failed", "cancelled") and out.announced_failure and out.peer:
+        if out.outcome in ("failed", "cancelled") and out.announced_failure and out.peer \
+                and not out.segments_unknown:
             self.post(out, msg.Released(out.transfer_id))
             out.announced_failure = False
         if out.finished_at is not None and out.request_id is not None:
@@ -251,7 +258,13 @@ class TransferTable:
             return  # the request is still running here
         # Its blocks are released (finished), or it was a reservation nobody will use.
         del self.transfers[out.transfer_id]
-        self.ended.add(out.transfer_id, out.outcome, out.reason)
+        self.ended.add(out.transfer_id, out.outcome, out.reason, out.segments_unknown)
+
+    def known(self, transfer_id: str) -> bool:
+        """Whether decode must still count this transfer as one whose writes may land:
+        running here, or ended with a write given up on while it may still run."""
+        ended = self.ended.get(transfer_id)
+        return transfer_id in self.transfers or (ended is not None and ended.writes_may_run)
 
     def write_failed(self, out: Outgoing, reason: str, unfinished: Write | None) -> None:
         """One of the transfer's writes failed. If some of its segments may still be

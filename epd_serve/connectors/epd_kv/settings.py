@@ -52,6 +52,11 @@ class Settings:
     first_connect_timeout_s: float = 10.0
     reservation_timeout_s: float = 120.0  # prefill: unmatched transfers are dropped
     release_grace_s: float = 30.0  # decode: wait for a failed transfer's writes to end
+    # decode: the longest it holds the blocks of a transfer whose prefill may still write
+    # them (silent, not known gone); prefill refuses writes for a reservation older than
+    # `stale_reservation_s`, so neither side writes into blocks given to another. Both
+    # sides must be given the same value (one deployment file does).
+    fence_max_s: float = 600.0
     # decode: a reserved transfer must end (Done or Failed) within receive_timeout_base_s
     # of the reservation plus receive_timeout_per_gb_s per GB of KV it reserves; past
     # that decode cancels it and computes the prompt itself (its blocks are reused once
@@ -65,6 +70,12 @@ class Settings:
     receive_timeout_base_s: float = 60.0
     receive_timeout_per_gb_s: float = 10.0
     fault_injection: bool = False  # honour kv_transfer_params["epd_fault"] (tests)
+
+    @property
+    def stale_reservation_s(self) -> float:
+        """Prefill: a reservation older than this is never written (decode may have given
+        its blocks away by `fence_max_s`); the margin is room for a write's own run."""
+        return self.fence_max_s - min(60.0, self.fence_max_s / 2)
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> "Settings":

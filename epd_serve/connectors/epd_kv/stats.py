@@ -20,7 +20,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 _KEYS = ("sent_bytes", "busy_s", "exposed_s", "groups", "send_failures",
-         "received", "receive_failures", "internal_errors")
+         "received", "receive_failures", "internal_errors", "fenced", "fence_expired",
+         "stale_writes_refused")
 
 
 @dataclasses.dataclass
@@ -78,6 +79,7 @@ class EPDKVStats(KVConnectorStats):
             "transfers received": len(self.data["received"]),
             "receive failures (recomputed)": len(self.data["receive_failures"]),
             "internal errors": len(self.data.get("internal_errors", [])),
+            "transfers held for a silent prefill": len(self.data.get("fenced", [])),
         }
 
 
@@ -113,6 +115,12 @@ class EPDKVPromMetrics(KVConnectorPromMetrics):
             documentation="Exceptions of the epd connector's own code (a bug of ours), "
                           "each of which cost the request or step it happened in, never "
                           "the engine; the log names the request.")
+        self._fence = self._counter_cls(
+            name="epd_kv_fence_total", labelnames=[*labelnames, "event"],
+            documentation="Late-writer fencing: transfers whose blocks decode held because "
+                          "their prefill fell silent, not known gone (event=held); held "
+                          "past fence_max_s and given back anyway (event=expired); writes "
+                          "prefill refused for a reservation that old (event=refused).")
         self._groups = per_engine(self._histogram_cls(
             name="epd_kv_groups", labelnames=labelnames, buckets=[1, 2, 4, 8, 16, 32, 64, 128],
             documentation="Writes (layer groups x prefill chunks) per request."))
@@ -135,3 +143,7 @@ class EPDKVPromMetrics(KVConnectorPromMetrics):
             self._failures.labels(*labels, "receive").inc()
         for _ in data.get("internal_errors", []):
             self._internal.labels(*labels).inc()
+        for key, event in (("fenced", "held"), ("fence_expired", "expired"),
+                           ("stale_writes_refused", "refused")):
+            for _ in data.get(key, []):
+                self._fence.labels(*labels, event).inc()

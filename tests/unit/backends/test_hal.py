@@ -50,7 +50,7 @@ def test_cuda_e_p_d_commands():
     assert "--mm-encoder-only" in e_cmd and "--kv-transfer-config" not in e_cmd
     # Our EC connector over the node's shared-memory MM Store.
     store = {"backend": "shm", "host": "127.0.0.1", "port": 8990, "metrics_port": 8991,
-             "capacity_bytes": 2 << 30, "name": "t", "protocol": "tcp"}
+             "capacity_bytes": 2 << 30, "name": "t", "protocol": "tcp", "hold_s": 60.0}
     e_ec = json.loads(flag(e_cmd, "--ec-transfer-config"))
     assert e_ec["ec_connector"] == "EPDECConnector" and e_ec["ec_role"] == "ec_producer"
     assert e_ec["ec_connector_module_path"] == "epd_serve.connectors.epd_ec"

@@ -7,6 +7,7 @@ vLLM decides. Against a real shared-memory store."""
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -15,9 +16,12 @@ import torch
 from epd_serve.connectors import compat
 from epd_serve.connectors.epd_ec.settings import Settings
 from epd_serve.connectors.epd_ec.worker import EPDECWorker
-from epd_serve.mmstore import FeatureMeta, StoreError, open_store
+from epd_serve.mmstore import FeatureMeta, StoreError, StoreSpec, open_store
+from epd_serve.mmstore.service import StartedStore
 
-from .test_epd_ec import decided, feature, request, scheduler, step
+from ...ports import free_port_block
+from ...waiting import wait_for
+from .test_epd_ec import decided, feature, request, scheduler, step, store_feature
 
 EMBEDS, HIDDEN = 4, 8
 
@@ -151,3 +155,26 @@ def test_an_encoder_whose_store_failed_a_put_skips_puts_for_a_moment(store_spec)
     assert dead.puts == 1
     assert encoder.recorder.take()["events"]["not_saved"] == 3
     encoder.shutdown()
+
+
+def test_an_engine_starts_without_the_store_encodes_meanwhile_and_attaches_when_it_comes():
+    """The store is down when the engine starts (restarting, crashed): the connector is
+    made at once (no 30 s wait ending in an exception that stops the engine), features
+    are encoded here meanwhile, and once the store answers they are loaded from it."""
+    base = free_port_block(2, start=27300)
+    spec = StoreSpec(backend="shm", port=base, metrics_port=base + 1, capacity_bytes=1 << 20,
+                     name="ec-late-store")
+    started = time.monotonic()
+    sched = scheduler(spec, open_timeout_s=0.5)
+    try:
+        assert time.monotonic() - started < 10
+        assert decided(sched, request("early", feature("img", pixels=True))) is True
+        assert sched.recorder.take()["events"]["encoded_locally"] == 1
+        with StartedStore(spec):
+            store_feature(spec, "img")
+            wait_for(lambda: sched.store.get("img") is not None, "the store attached",
+                     timeout=30)
+            assert decided(sched, request("late", feature("img"))) is True
+            assert sched.recorder.take()["events"]["loaded"] == 1
+    finally:
+        sched.shutdown()

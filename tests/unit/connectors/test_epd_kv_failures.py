@@ -192,7 +192,7 @@ def test_a_failed_write_waits_for_its_other_segments_only_so_long():
 def test_a_failed_write_whose_segments_never_end_is_let_go_after_the_drain_timeout():
     link = link_over(Engine(accepted=1, status=0))  # the accepted segment never ends
     drained = threading.Event()
-    drainer = Drainer(link, lambda transfer_id: drained.set(), timeout_s=0.2)
+    drainer = Drainer(link, lambda transfer_id, ended: drained.set(), timeout_s=0.2)
     drainer.start()
     try:
         drainer.put("t1", Write([7]))

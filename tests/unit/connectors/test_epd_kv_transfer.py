@@ -301,20 +301,95 @@ def test_a_prefill_that_restarts_fails_its_old_transfers(make_pair):
         pair.link.hold.set()
 
 
-def test_a_prefill_that_goes_silent_is_given_up(make_pair):
+def test_a_prefill_whose_process_is_gone_is_given_up_at_once(make_pair):
     # Nothing but the silence can end the transfer: prefill keeps the reservation (it
     # is gone before it could drop it) and decode would wait a minute for a release.
     pair = make_pair(peer_timeout_s=0.6, reservation_timeout_s=60.0, release_grace_s=60.0)
     pair.link.hold = threading.Event()
     pair.receiver.reserve(recv_plan(pair))
     acknowledged(pair)
-    pair.sender.channel.close()  # the engine is gone; nobody answers pings
+    pair.sender.channel.close()  # the engine is gone: its kernel closed its sockets
     got = results(pair)
     assert got["failed"] == {"d-req"}
-    reason = got["reports"]["d-req"]["reason"]
-    assert reason.startswith(f"prefill worker 127.0.0.1:{pair.port} silent for"), reason
+    assert got["reports"]["d-req"]["reason"] == f"prefill worker 127.0.0.1:{pair.port} is gone"
     assert pair.receiver.stats.records.count("receive_failures") == 1
+    assert "fenced" not in pair.receiver.stats.records  # a dead process writes nothing
     pair.link.hold.set()
+
+
+class StoppedProcess:
+    """Prefill as SIGSTOP leaves it: its connections stay up (its kernel keeps them), its
+    side channel answers nothing and a write it had queued waits; `resume()` is SIGCONT."""
+
+    def __init__(self, pair: Pair):
+        self.running = threading.Event()
+        channel, link = pair.sender.channel, pair.link
+        handler, on_tick, submit = channel.handler, channel.on_tick, link.submit
+        channel.handler = lambda *a: (self.running.wait(), handler(*a))
+        channel.on_tick = lambda: (self.running.wait(), on_tick())
+        link.submit = lambda *a: (self.running.wait(), submit(*a))[1]
+
+    def resume(self):
+        self.running.set()
+
+
+def test_blocks_a_stopped_prefill_may_still_write_are_held_until_it_says_none_runs(make_pair):
+    # Reproduces a late write into reused blocks: decode used to give a silent prefill's
+    # transfer up (and vLLM its blocks to the next request) after peer_timeout_s; the
+    # write prefill had queued landed there once it was continued.
+    pair = make_pair(peer_timeout_s=0.5, release_grace_s=0.3, reservation_timeout_s=60.0)
+    pair.receiver.reserve(recv_plan(pair))
+    acknowledged(pair)
+    stopped = StoppedProcess(pair)
+    prefill(pair)  # its write is queued in the stopped process
+    wait_for(lambda: incoming(pair).fenced, what="decode fenced the silent prefill's blocks")
+    assert "fenced" in pair.receiver.stats.records
+    time.sleep(1.5)  # three peer timeouts, five release graces: still held
+    assert pair.receiver.take_results()[0] == set()
+    assert not pair.d_memory.any()
+    stopped.resume()
+    got = results(pair)  # reported (its blocks given back) once prefill said Released
+    assert got["failed"] == {"d-req"}
+    assert got["reports"]["d-req"]["reason"].startswith(
+        f"prefill worker 127.0.0.1:{pair.port} silent for")
+    # The write it had queued landed, in blocks that were still this request's (what
+    # the Cancel stopped before it was written never is), and nothing lands after.
+    landed = pair.d_memory.copy()
+    assert np.array_equal(landed[:, 9:12][landed[:, 9:12] != 0],
+                          pair.p_memory[:, 2:5][landed[:, 9:12] != 0])
+    assert landed[:, 9:12].any() and not landed[:, :9].any() and not landed[:, 12:].any()
+    finish_prefill(pair)
+    assert wait_for(pair.sender.take_finished) == {"p-req"}
+    assert np.array_equal(pair.d_memory, landed)
+
+
+def test_a_fence_is_bounded_and_counted(make_pair):
+    pair = make_pair(peer_timeout_s=0.3, reservation_timeout_s=60.0, fence_max_s=2.0)
+    pair.receiver.reserve(recv_plan(pair))
+    acknowledged(pair)
+    stopped = StoppedProcess(pair)
+    started = time.monotonic()
+    got = results(pair)  # given back after fence_max_s, counted
+    assert got["failed"] == {"d-req"} and time.monotonic() - started >= 2.0
+    assert pair.receiver.stats.records.count("fence_expired") == 1
+    stopped.resume()
+
+
+def test_prefill_never_writes_a_reservation_older_than_decode_may_fence(make_pair):
+    # Decode gives a silent prefill's blocks back after fence_max_s: a prefill stopped
+    # about that long must not write them when it is continued.
+    pair = make_pair(reservation_timeout_s=60.0, fence_max_s=2.0)
+    assert pair.settings.stale_reservation_s == 1.0
+    pair.receiver.reserve(recv_plan(pair))
+    acknowledged(pair)
+    time.sleep(1.2)  # as a process stopped that long
+    prefill(pair)
+    got = results(pair)
+    assert got["failed"] == {"d-req"} and "old" in got["reports"]["d-req"]["reason"]
+    assert "stale_writes_refused" in pair.sender.stats.records
+    assert not pair.d_memory.any() and pair.link.segments == 0
+    finish_prefill(pair)
+    assert wait_for(pair.sender.take_finished) == {"p-req"}
 
 
 def test_an_unreachable_prefill_is_detected_by_the_missing_acknowledgement(make_pair):

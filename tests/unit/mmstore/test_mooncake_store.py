@@ -155,6 +155,20 @@ def test_put_existing_key_returns_false_and_keeps_the_value(store):
     assert store.get("dup")[0].tobytes() == b"first"
 
 
+def test_a_feature_not_the_one_its_meta_was_written_with_reads_as_a_miss(store):
+    """Feature and meta are two Mooncake objects: the meta can outlive its feature, and
+    another value can then take the feature's key (or a write Mooncake revoked land in
+    its space). The meta's checksum makes that a miss, never another feature's bytes."""
+    data = payload(MiB, seed=4)
+    assert store.put("swapped", data, META)
+    assert store._store.batch_remove(["swapped"]) == [0]  # the feature alone goes
+    assert store._store.put("swapped", payload(MiB, seed=5).tobytes()) == 0  # another's
+    corrupt = store.corrupt_reads
+    assert store.get("swapped") is None
+    assert store.corrupt_reads == corrupt + 1
+    assert store.delete("swapped")
+
+
 def test_empty_feature_is_refused(store):
     assert not store.put("empty", b"", META)
     assert store.lookup("empty") is None

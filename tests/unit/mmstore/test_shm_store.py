@@ -6,6 +6,7 @@ from __future__ import annotations
 import multiprocessing
 import subprocess
 import threading
+import time
 import urllib.request
 
 import numpy as np
@@ -14,10 +15,10 @@ import zmq
 
 from epd_serve.mmstore import FeatureMeta, StoreError, StoreSpec, open_store
 from epd_serve.mmstore import shm_wire as wire
-from epd_serve.mmstore.service import StartedStore
+from epd_serve.mmstore.service import StartedStore, store_processes
 from epd_serve.mmstore.shm_index import Index
-from epd_serve.mmstore.shm_layout import PAGE, SLOT_WORDS, Directory
-from epd_serve.mmstore.shm_server import arena_path
+from epd_serve.mmstore.shm_layout import META_LEN, OFFSET, PAGE, SLOT_WORDS, Directory
+from epd_serve.mmstore.shm_server import arena_path, remove_arena
 
 from ...ports import free_port_block
 from ...waiting import wait_for
@@ -41,7 +42,7 @@ def index(pages: int, slots: int = 1024, clock=None) -> Index:
 
 def put(idx: Index, key: str, nbytes: int = PAGE - 64) -> bool:
     entry = idx.reserve(key, nbytes, b"m")
-    return not isinstance(entry, str) and idx.commit(key)
+    return not isinstance(entry, str) and idx.commit(key, entry.token, 0) is None
 
 
 def test_full_store_evicts_least_recently_used_first():
@@ -98,7 +99,7 @@ def test_directory_finds_committed_features_only_and_sees_eviction():
     idx = index(pages=2)
     entry = idx.reserve("a", 100, b"meta")
     assert idx.directory.find("a") is None  # reserved, not yet committed
-    idx.commit("a")
+    idx.commit("a", entry.token, 0)
     slot, row = idx.directory.find("a")
     assert slot == entry.slot
     put(idx, "b")
@@ -305,17 +306,105 @@ def test_unreachable_store_raises_store_error_quickly():
         open_store(StoreSpec(backend="shm", port=free_port_block(1, start=27000)))
 
 
-def test_an_arena_left_by_a_killed_server_is_removed_by_the_next_one():
+@pytest.mark.parametrize("stop", ["terminate", "kill"])
+def test_a_restarted_server_serves_from_its_predecessors_arena_not_a_second_one(stop):
+    """A restart needs no second arena of /dev/shm (clients still map the first): the
+    next server takes the same file and its pages, emptied; only one server holds it."""
     base = free_port_block(2, start=26700)
     spec = StoreSpec(backend="shm", port=base, metrics_port=base + 1, capacity_bytes=1 << 20,
-                     name="killed")
+                     name=f"again-{stop}")
     first = start_server(spec)
-    first.kill()  # SIGKILL: no chance to clean up
-    first.wait(timeout=10)
-    assert arena_path(spec, first.pid).exists()
-    second = start_server(spec)
-    try:
-        assert not arena_path(spec, first.pid).exists()
-    finally:
-        second.terminate()
-        second.wait(timeout=10)
+    with open_store(spec) as client:
+        assert client.put("old", np.full(100, 1, np.uint8), META)
+        inode = arena_path(spec).stat().st_ino
+        getattr(first, stop)()
+        first.wait(timeout=10)
+        second = start_server(spec)
+        try:
+            arenas = list(arena_path(spec).parent.glob(f"epd-mmstore-again-{stop}-*"))
+            assert arenas == [arena_path(spec)] and arena_path(spec).stat().st_ino == inode
+            assert client.get("old") is None  # emptied: the old server's entries are gone
+            # A second server of the same store is refused: the file is held.
+            third = subprocess.run(store_processes(spec)[0].command, capture_output=True, text=True,
+                                   timeout=60)
+            assert third.returncode != 0 and "held by another" in third.stderr
+        finally:
+            second.terminate()
+            second.wait(timeout=10)
+    remove_arena(spec)
+    assert not arena_path(spec).exists()
+
+
+# -- fenced puts: a writer paused past its hold ---------------------------------------
+def test_a_lapsed_writers_commit_is_refused_and_its_late_bytes_never_read_as_a_feature():
+    """A writer reserves, pauses past `hold_s`; its space goes to another feature
+    (committed, published with its checksum). Then the writer wakes: its bytes land in
+    that space and its Commit names its old token. The Commit is refused; the other
+    feature, its bytes overwritten, reads as a miss (checksum), never as wrong bytes."""
+    clock = Clock()
+    idx = index(pages=1, clock=clock)
+    late = idx.reserve("late", PAGE - 64, b"m")
+    clock.now += idx.hold_s + 1  # the writer is stopped past its reservation's hold
+    other = idx.reserve("other", PAGE - 64, b"m")  # evicts the lapsed reservation
+    assert other.offset == late.offset
+    assert idx.commit("other", other.token, 1234) is None
+    assert idx.commit("late", late.token, 0) == "missing"  # its entry is gone
+    idx.reserve("late", PAGE - 64, b"m")  # someone else reserves the same key anew
+    assert idx.commit("late", late.token, 0) == "lapsed"  # not the late writer's to publish
+
+
+def test_a_writer_stopped_mid_put_past_its_hold_neither_publishes_nor_serves_its_bytes():
+    """Real processes: an encoder stopped between its reservation and its writes (past
+    the hold) while the store gives that space to another feature. When it wakes, its
+    bytes land on the other feature and its Commit is refused: a reader of either key
+    gets a miss or the right bytes, never the late writer's."""
+    base = free_port_block(2, start=27400)
+    spec = StoreSpec(backend="shm", port=base, metrics_port=base + 1, capacity_bytes=PAGE * 4,
+                     name="late-writer", hold_s=0.5)
+    nbytes = PAGE * 3  # two of these cannot be held at once
+    with StartedStore(spec), open_store(spec) as late, open_store(spec) as other:
+        reserved, wake = threading.Event(), threading.Event()
+        real_call = late._call
+
+        def stopped_after_reserving(req, timeout_ms=None):
+            reply = real_call(req, timeout_ms)
+            if isinstance(req, wire.Reserve):
+                reserved.set()
+                wake.wait(30)  # SIGSTOP: nothing of the put runs until SIGCONT
+            return reply
+
+        late._call = stopped_after_reserving
+        result = []
+        writer = threading.Thread(target=lambda: result.append(
+            late.put("late", np.full(nbytes, 0xEE, np.uint8), META)))
+        writer.start()
+        assert reserved.wait(30)
+        time.sleep(spec.hold_s + 0.3)  # its reservation lapses
+        assert other.put("other", np.full(nbytes, 0x11, np.uint8), META)  # takes its space
+        wake.set()  # SIGCONT: the late writer writes where "other" lives, then commits
+        writer.join(30)
+        assert result == [False]  # its Commit was refused
+        with open_store(spec) as reader:
+            assert reader.get("late") is None
+            found = reader.get("other")
+            assert found is None or (found[0] == 0x11).all(), "another writer's bytes served"
+            assert found is None and reader.corrupt_reads == 1  # its bytes were overwritten
+
+
+def test_a_feature_whose_meta_a_late_writer_overwrote_is_a_miss_for_every_reader():
+    """Found in the chaos soak: a late writer's bytes over another feature's meta made
+    every lookup of that image raise (the proxy answered 500 until the store restarted).
+    A lookup reads no bytes to check; its meta, not a feature's, is a miss too."""
+    base = free_port_block(2, start=27420)
+    spec = StoreSpec(backend="shm", port=base, metrics_port=base + 1, capacity_bytes=PAGE * 4,
+                     name="late-meta")
+    with StartedStore(spec), open_store(spec) as writer, open_store(spec) as reader:
+        assert writer.put("victim", np.full(PAGE, 0x11, np.uint8), META)
+        assert reader.lookup("victim") == META
+        arena = reader._current_arena()
+        _, row = arena.directory.find("victim")
+        start = row[OFFSET]
+        arena.mapping[start:start + row[META_LEN]] = b"\xee" * row[META_LEN]  # the late bytes
+        assert reader.lookup("victim") is None
+        assert reader.get("victim") is None
+        assert reader.corrupt_reads == 2

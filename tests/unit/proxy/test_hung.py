@@ -22,7 +22,7 @@ from .harness import IMAGE, deployment
 
 # Short deadlines, so a test waits a second for what a deployment waits tens of.
 FAST = {"first_byte_s": {"E": 0.3, "P": 0.3, "D": 0.3}, "stream_idle_s": 0.3,
-        "alive_timeout_s": 0.3}
+        "alive_timeout_s": 0.3, "core_timeout_s": 0.5}
 # How long a request on a hung instance may take here: its deadline and the /health
 # it is given, and generous slack for a loaded host. Without deadlines it would wait
 # request_timeout_s (600 s).
@@ -140,7 +140,8 @@ def test_deadlines_default_to_first_byte_and_refuse_nonsense():
                          deadlines={"first_byte_s": {"E": 60}})
     assert config.deadlines.first_byte_s.E == 60
     assert config.deadlines.first_byte_s.P == config.deadlines.first_byte_s.D == 10
-    assert config.deadlines.stream_idle_s == 30 and config.deadlines.alive_timeout_s == 5
+    assert config.deadlines.stream_idle_s == 15 and config.deadlines.alive_timeout_s == 5
+    assert config.deadlines.core_timeout_s == 10  # 15 + 10: a hung core costs under 30 s
     with pytest.raises(ValidationError, match="first_byte_s.D"):
         ProxyConfig(model="m", instances=[], deadlines={"first_byte_s": {"D": 0}})
     with pytest.raises(ValidationError, match="PD"):
@@ -156,3 +157,47 @@ def test_a_request_on_a_hung_instance_does_not_hold_up_others():
         assert [a.status_code for a in answers] == [200, 200]
         assert all("PD=pd1" in a.headers["x-epd-stages"] for a in answers)
         assert len(d.seen("pd0")) <= 1
+
+
+# -- an engine core that hangs under a live API server ---------------------------------
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_hung_engine_core_behind_a_green_health_is_found_stood_in_for_and_kept_out(stream):
+    """vLLM's /health stays 200 while its engine core is stopped: the one-token request
+    after it does not answer, so decode is hung, prefill stands in, and the instance
+    stays out (however green its /health) until its engine answers again."""
+    with deployment(["P", "D"], deadlines=FAST, health_interval_s=0.1) as d:
+        d.apps["d1"].state.core_stopped = True
+        first = post(d, chat_body("fake", "x", max_tokens=3, stream=stream))
+        assert first.status_code == 200, first.text
+        assert first.headers["x-epd-stages"].endswith("FALLBACK=D>P")
+        d1 = status(d)["d1"]
+        assert not d1["healthy"] and d1["core_hung"]
+        assert "one-token request" in d1["last_error"]
+        # Probes find /health green, and keep it out while its engine does not answer.
+        before = d.apps["d1"].state.health_reads
+        wait_for(lambda: d.apps["d1"].state.health_reads >= before + 3, "probes")
+        assert not status(d)["d1"]["healthy"] and status(d)["d1"]["hung_s"] > 0
+        metrics = d.client.get("/metrics").text
+        assert 'epd_proxy_instance_hung_seconds{instance="d1"}' in metrics
+        d.apps["d1"].state.core_stopped = False  # restarted, or it resumed
+        wait_for(lambda: status(d)["d1"]["healthy"], "d1 back once its engine answers",
+                 timeout=GUARD_S)
+        assert not status(d)["d1"]["core_hung"] and status(d)["d1"]["hung_s"] == 0
+        again = post(d, chat_body("fake", "z", max_tokens=3, stream=stream))
+        assert again.status_code == 200 and "FALLBACK" not in again.headers["x-epd-stages"]
+
+
+def test_a_busy_engine_answers_the_one_token_check_and_is_waited_for():
+    """An engine computing a long request still steps: it answers the one-token check,
+    so it is slow, not hung (the check is not a request it must finish first)."""
+    with deployment(["P", "D"], deadlines=FAST, health_interval_s=60) as d:
+        fake = d.apps["d1"].state
+        fake.hold = True
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(post, d, chat_body("fake", "x", max_tokens=3))
+            wait_for(lambda: sum(r["body"].get("prompt") == "ping" for r in d.seen("d1")) >= 2,
+                     "two one-token checks", timeout=GUARD_S)
+            assert not pending.done()
+            fake.hold = False
+            assert pending.result(GUARD_S).status_code == 200
+        assert status(d)["d1"]["healthy"] and not status(d)["d1"]["core_hung"]

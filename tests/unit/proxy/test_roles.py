@@ -209,3 +209,69 @@ def test_a_switch_that_fails_on_an_error_of_ours_leaves_the_instance_routable():
         assert r.status_code == 200 and "P=p0" in served_by(r)
         assert ('epd_proxy_role_switches_total{instance="p0",outcome="failed",source="P",'
                 'target="D"} 1.0') in d.client.get("/metrics").text
+
+
+# -- every hang healed: stages refilled, coverage re-checked, no freeze, no race -------
+def stop(d, name: str) -> None:
+    """The instance hangs (as a stopped process: its /health too) and is out now."""
+    d.apps[name].state.hang = True
+    d.proxy.call(d.proxy.proxy.table.get(name).take_out, "stopped")
+
+
+CONTROL = {"enabled": True, "interval_s": 0.05, "high_load": 2.0, "ratio": 2.0,
+           "sustain_s": 0.2, "min_dwell_s": 0.5}
+
+
+def test_a_decode_stage_emptied_by_a_crash_is_refilled_from_an_idle_switchable_instance():
+    with deployment(["E~", "P", "D"], dead={"d2"}, role_control=CONTROL,
+                    routing={"handoff_fallback": "refuse"}) as d:
+        wait_for(lambda: roles_of(d)["e0"] == "D", "e0 moved to the empty decode stage",
+                 timeout=10)
+        decision = d.client.get("/roles").json()["controller"]["decisions"][0]
+        assert "D has no healthy instance" in decision["reason"]
+        r = d.client.post("/v1/chat/completions", json=body("hi"))
+        assert r.status_code == 200 and "D=e0" in served_by(r)
+
+
+def test_a_switch_whose_stage_lost_its_sibling_while_it_drained_is_abandoned():
+    with deployment(["P~", "P", "D"], routing={"handoff_fallback": "refuse"}) as d:
+        d.apps["p0"].state.delay_s = 1.0
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            held = pool.submit(d.client.post, "/v1/chat/completions", json=body("q"))
+            wait_for(lambda: d.proxy.proxy.table.get("p0").in_flight == 1, "p0 busy")
+            assert switch(d, "p0", "D", wait_s=0).status_code == 202
+            stop(d, "p1")
+            assert held.result().status_code == 200
+        wait_for(lambda: d.client.get("/roles").json()["switches"][-1]["outcome"]
+                 == "abandoned", "the switch abandoned after its drain")
+        assert roles_of(d)["p0"] == "P"
+
+
+def test_the_controller_refills_a_lost_stage_while_a_long_drain_runs():
+    with deployment(["E~", "P~", "P", "D"], role_control=CONTROL,
+                    routing={"handoff_fallback": "refuse"}) as d:
+        d.apps["p1"].state.delay_s = 3.0
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            held = pool.submit(d.client.post, "/v1/chat/completions", json=body("long"))
+            wait_for(lambda: d.proxy.proxy.table.get("p1").in_flight == 1, "p1 busy")
+            assert switch(d, "p1", "E", wait_s=0).status_code == 202  # drains for 3 s
+            stop(d, "d3")  # the only decoder hangs
+            wait_for(lambda: roles_of(d)["e0"] == "D", "decode refilled during p1's drain",
+                     timeout=10)
+            assert not held.done()  # p1's long hop is still running
+            assert held.result().status_code in (200, 502, 504)
+
+
+def test_a_switch_cancelled_and_asked_again_is_not_ended_by_the_first_ones_task():
+    with deployment(["P~", "P", "D"]) as d:
+        d.apps["p0"].state.delay_s = 0.5
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            held = pool.submit(d.client.post, "/v1/chat/completions", json=body("q"))
+            wait_for(lambda: d.proxy.proxy.table.get("p0").in_flight == 1, "p0 busy")
+            assert switch(d, "p0", "D", wait_s=0).status_code == 202
+            assert switch(d, "p0", "P", wait_s=0).json()["outcome"] == "cancelled"
+            again = switch(d, "p0", "D", wait_s=10)
+            assert held.result().status_code == 200
+        assert again.status_code == 200 and again.json()["outcome"] == "done"
+        outcomes = [s["outcome"] for s in d.client.get("/roles").json()["switches"]]
+        assert outcomes == ["cancelled", "done"] and roles_of(d)["p0"] == "D"

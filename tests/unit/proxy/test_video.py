@@ -5,9 +5,12 @@ stored)."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import os
+import threading
+import time
 from types import SimpleNamespace
 
 import msgspec
@@ -24,7 +27,14 @@ from epd_serve.proxy.errors import ProxyError
 from epd_serve.proxy.guards import CHAT_PATH, Limits
 from epd_serve.proxy.request import parse_request
 from epd_serve.proxy.tenancy import video_chunk_keys
-from epd_serve.proxy.video import decode_video, frame_list_url, sample_indices, split_chunks
+from epd_serve.proxy import video as video_module
+from epd_serve.proxy.video import (
+    VideoPreparer,
+    decode_video,
+    frame_list_url,
+    sample_indices,
+    split_chunks,
+)
 
 from .test_features import deployment, parts
 from .test_routing import MIXED, router, table
@@ -213,3 +223,79 @@ def test_a_bad_video_never_reaches_a_stage(store_spec):
         assert resp.status_code == 400, resp.text
         assert "not a video" in resp.json()["error"]["message"]
         assert all(app.state.requests == [] for app in apps.values())
+
+
+# -- decodes that outlive their request; the queue ------------------------------------
+def test_a_stopped_decode_ends_at_its_next_frame_with_its_reason():
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(ProxyError) as caught:
+        decode_video(video_data_url(make_video(8, 64, 64, seed=3)), LIMITS, "video", stop)
+    assert caught.value.status == 499 and "decode stopped" in caught.value.message
+
+
+class SlowDecodes:
+    """decode_video stood in for by one that runs until told to stop (or released)."""
+
+    def __init__(self):
+        self.started, self.stopped, self.release = [], [], threading.Event()
+
+    def __call__(self, url, limits, where, stop):
+        self.started.append(url)
+        while not (stop.is_set() or self.release.is_set()):
+            time.sleep(0.005)
+        if stop.is_set():
+            self.stopped.append(url)
+            raise ProxyError(499, "stopped")
+        return SimpleNamespace(url=url, frames=["f"], width=8, height=8)
+
+
+def test_a_request_that_ends_stops_its_decode_and_frees_the_slot_only_after(monkeypatch):
+    slow = SlowDecodes()
+    monkeypatch.setattr(video_module, "decode_video", slow)
+
+    async def run():
+        preparer = VideoPreparer(Limits(max_video_decodes=1), 4)
+        first = asyncio.ensure_future(preparer.prepare([video_item("a")]))
+        while not slow.started:
+            await asyncio.sleep(0.005)
+        first.cancel()  # the client left
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        # The slot is the stopped thread's until it returns: the next decode starts
+        # after that, never beside it.
+        second = asyncio.ensure_future(preparer.prepare([video_item("b")]))
+        while len(slow.started) < 2:
+            await asyncio.sleep(0.005)
+        assert slow.stopped == ["a"]
+        slow.release.set()
+        await second
+        preparer.close()
+
+    asyncio.run(run())
+
+
+def test_past_the_queue_a_video_is_refused_with_503_not_queued(monkeypatch):
+    slow = SlowDecodes()
+    monkeypatch.setattr(video_module, "decode_video", slow)
+
+    async def run():
+        preparer = VideoPreparer(Limits(max_video_decodes=1, max_video_queue=1), 4)
+        running = asyncio.ensure_future(preparer.prepare([video_item("a")]))
+        waiting = asyncio.ensure_future(preparer.prepare([video_item("b")]))
+        while not slow.started:
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.02)  # "b" is waiting for the slot now
+        with pytest.raises(ProxyError) as caught:
+            await preparer.prepare([video_item("c")])
+        assert caught.value.status == 503 and "waiting to be decoded" in caught.value.message
+        slow.release.set()
+        await asyncio.gather(running, waiting)
+        assert slow.started == ["a", "b"]
+        preparer.close()
+
+    asyncio.run(run())
+
+
+def video_item(url: str) -> SimpleNamespace:
+    return SimpleNamespace(url=url, where="video")
