@@ -35,13 +35,13 @@ SUPERVISOR = textwrap.dedent("""
     dep = resolve(schema.Deployment(**json.loads(Path(sys.argv[1]).read_text())),
                   Path(sys.argv[2]))
     launcher = Launcher(dep, FakeEnginePlatform(), on_event=lambda msg: None)
-    launcher.start()
-    launcher.wait_healthy()
-    print("up", flush=True)
     def _terminate(signum, frame):
         raise KeyboardInterrupt
-    signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGTERM, _terminate)  # before "up": the test may stop it at once
     try:
+        launcher.start()
+        launcher.wait_healthy()
+        print("up", flush=True)
         launcher.run_forever(0.2)
     except KeyboardInterrupt:
         pass
