@@ -98,14 +98,15 @@ class RoleController:
         return self._carry_out(decision)
 
     def _refill(self, members: list[Member]) -> Decision | None:
-        """Prefill or decode with no healthy instance, none being switched to it: the
-        idlest switchable instance of a stage that keeps another (or of E, which prefill
-        covers) moves there now. (An empty E is the load rule's: it comes back when
-        prefill's encoding for it is work enough.)"""
+        """Prefill or decode lost (no healthy instance, each of its instances up before:
+        `_lost`), none being switched to it: the idlest switchable instance of a stage
+        that keeps another (or of E, which prefill covers) moves there now. (An empty E
+        is the load rule's: it comes back when prefill's encoding for it is work
+        enough.)"""
         arriving = {s.target for s in self.switcher.active.values()}
         empty = [stage for stage in ("P", "D")
                  if stage in down_hops(self.table.instances, self.table.roster)
-                 and stage not in arriving]
+                 and stage not in arriving and self._lost(stage)]
         if not empty:
             return None
         serving = collections.Counter(m.role for m in members)
@@ -117,6 +118,13 @@ class RoleController:
         chosen = min(donors, key=lambda m: (serving[m.role] == 1, m.load, m.name))
         return Decision(chosen.name, chosen.role, empty[0],
                         f"{empty[0]} has no healthy instance: refilled from {chosen.role}")
+
+    def _lost(self, stage: str) -> bool:
+        """Whether `stage` was emptied by failures: each instance that serves it has
+        been healthy before. One that has not is still starting (a deployment coming
+        up): moving an idle instance there would empty the stage it came from."""
+        serving = [inst for inst in self.table.instances if stage in inst.stages]
+        return bool(serving) and all(inst.incarnation > 0 for inst in serving)
 
     def _by_load(self, members: list[Member], now: float) -> Decision | None:
         """The load rule's decision, unless it would touch a stage a switch is moving

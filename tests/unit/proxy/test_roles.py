@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import time
 
 import pytest
 
@@ -223,14 +224,25 @@ CONTROL = {"enabled": True, "interval_s": 0.05, "high_load": 2.0, "ratio": 2.0,
 
 
 def test_a_decode_stage_emptied_by_a_crash_is_refilled_from_an_idle_switchable_instance():
-    with deployment(["E~", "P", "D"], dead={"d2"}, role_control=CONTROL,
+    with deployment(["E~", "P", "D"], role_control=CONTROL,
                     routing={"handoff_fallback": "refuse"}) as d:
+        stop(d, "d2")  # the only decoder hangs
         wait_for(lambda: roles_of(d)["e0"] == "D", "e0 moved to the empty decode stage",
                  timeout=10)
         decision = d.client.get("/roles").json()["controller"]["decisions"][0]
         assert "D has no healthy instance" in decision["reason"]
         r = d.client.post("/v1/chat/completions", json=body("hi"))
         assert r.status_code == 200 and "D=e0" in served_by(r)
+
+
+def test_a_stage_still_starting_is_not_refilled():
+    # Found on a real E~-P~-D~ coming up: its decoder was not healthy yet, the controller
+    # moved the encoder there, and the deployment's warm-up found no E.
+    with deployment(["E~", "P", "D"], dead={"d2"}, role_control=CONTROL,
+                    routing={"handoff_fallback": "refuse"}) as d:
+        time.sleep(20 * CONTROL["interval_s"])  # twenty rounds of the controller
+        assert roles_of(d)["e0"] == "E"
+        assert d.client.get("/roles").json()["controller"]["decisions"] == []
 
 
 def test_a_switch_whose_stage_lost_its_sibling_while_it_drained_is_abandoned():
