@@ -50,6 +50,9 @@ class InstanceLaunch:
     ec_storage_path: str | None = None  # vLLM's file connector (no MM Store)
     mm_store: StoreSpec | None = None  # our EC connector over this store
     prefetch_port: int | None = None  # where a prefill's prefetch listener takes hints
+    # Sent stored images as references (image_embeds under the image's key) and, when a
+    # reference fails, the same image's pixels: see role_args.
+    takes_feature_refs: bool = False
     kv_role: str | None = None  # kv_producer | kv_consumer | kv_both (switchable) | None
     kv_protocol: str = "epd"  # how KV travels P -> D (epd_serve/protocols/registry.py)
     kv_port: int | None = None  # first of the instance's KV ports (one per TP rank)
@@ -186,6 +189,15 @@ class Platform(ABC):
         language model and the prefix cache; they never decode)."""
         if launch.encoder_only:
             return ["--mm-encoder-only", "--enforce-eager", "--no-enable-prefix-caching"]
+        if launch.takes_feature_refs:
+            # vLLM's multimodal processor cache keys an item by its hash, which a
+            # reference and the image's pixels share. Its engine-side half keeps the
+            # last item it was sent under a hash (a reference, once references came),
+            # while its API-server half, which references bypass, still thinks the
+            # pixels are there and sends none: the pixels sent after a reference failed
+            # reached the engine as that reference, and the request failed again (a
+            # chaos soak's 502s). Without the cache every item is sent whole.
+            return ["--mm-processor-cache-gb", "0"]
         return []
 
     def platform_args(self, launch: InstanceLaunch) -> list[str]:

@@ -11,6 +11,7 @@ from aiohttp import web
 from epd_serve.proxy.admission import descriptor_budget
 from epd_serve.proxy.app import create_app
 from epd_serve.proxy.config import ProxyConfig
+from epd_serve.protocols.held_socket import inherited_socket
 
 
 def event_loop():
@@ -46,8 +47,12 @@ def main(argv: list[str] | None = None) -> None:
     gc.set_threshold(20_000, 20, 20)
     # handler_cancellation: a client that disconnects cancels its request's handler, which
     # closes every hop it has open, so the engines abort the work instead of finishing it.
-    web.run_app(app, host=config.host, port=config.port, access_log=None,
-                handler_cancellation=True, print=None, loop=event_loop())
+    # The socket the supervisor holds across our restarts, where it handed us one
+    # (protocols/held_socket.py); else our own.
+    sock = inherited_socket()
+    where = {"sock": sock} if sock is not None else {"host": config.host, "port": config.port}
+    web.run_app(app, **where, access_log=None, handler_cancellation=True, print=None,
+                loop=event_loop())
 
 
 if __name__ == "__main__":

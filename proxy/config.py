@@ -147,12 +147,12 @@ class Deadlines(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     first_byte_s: FirstByteSeconds = Field(default_factory=FirstByteSeconds)
-    stream_idle_s: float = Field(15.0, gt=0, description="Silence inside an answer (between "
+    stream_idle_s: float = Field(5.0, gt=0, description="Silence inside an answer (between "
                                  "two chunks of a stream, or before the rest of a body) "
                                  "before the instance is asked whether it is alive.")
     alive_timeout_s: float = Field(5.0, gt=0, description="How long that /health may take: "
                                    "as long as a probe's, which a busy engine answers in.")
-    core_timeout_s: float = Field(10.0, gt=0, description="How long the one-token request "
+    core_timeout_s: float = Field(5.0, gt=0, description="How long the one-token request "
                                   "that follows a good /health may take: vLLM's /health is "
                                   "green while its engine core is stopped, the request is "
                                   "not (liveness.py). A busy engine answers it at its next "

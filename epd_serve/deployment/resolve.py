@@ -83,6 +83,8 @@ def resolve(config: Deployment, root: Path) -> ResolvedDeployment:
                 ec_storage_path=str(work_dir / "ec_cache"),
                 mm_store=store if ec_role is not None else None,
                 prefetch_port=prefetch_port,
+                takes_feature_refs=(store is not None and ec_role in ("ec_consumer", "ec_both")
+                                    and feature_refs_of(config, platform) == "embeds"),
                 kv_role=kv_role,
                 kv_protocol=protocol,
                 kv_port=kv_port,

@@ -191,9 +191,7 @@ class ShmStore(FeatureStore):
             if data is not None and checksum(meta_bytes, data) != row[layout.CHECKSUM]:
                 # Not what its writer published: bytes a late writer left there. A miss,
                 # never another feature.
-                self.corrupt_reads += 1
-                logger.warning("mmstore: %s does not match its checksum (a late writer's "
-                               "bytes); read as a miss", key)
+                self._corrupt(key, "does not match its checksum")
                 return None
             try:
                 # A lookup reads no bytes to check: its meta may be what a late writer
@@ -201,11 +199,18 @@ class ShmStore(FeatureStore):
                 # with the bytes by the get that follows.)
                 return data, FeatureMeta.decode(meta_bytes)
             except msgspec.DecodeError:
-                self.corrupt_reads += 1
-                logger.warning("mmstore: the meta of %s is not a feature's (a late writer's "
-                               "bytes); read as a miss", key)
+                self._corrupt(key, "has a meta that is not a feature's")
                 return None
         return None
+
+    def _corrupt(self, key: str, what: str) -> None:
+        """A miss, counted, logged, and the entry dropped: left in the directory it
+        would be found by every lookup (the proxy would keep sending references to it,
+        each failing) until evicted; dropped, the next encode of the image replaces it."""
+        self.corrupt_reads += 1
+        logger.warning("mmstore: %s %s (a late writer's bytes); read as a miss and "
+                       "dropped", key, what)
+        self._tell(wire.Delete(0, key))
 
     # -- FeatureStore ------------------------------------------------------------
     def put(self, key: str, data, meta: FeatureMeta) -> bool:

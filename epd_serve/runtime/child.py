@@ -26,6 +26,7 @@ from pathlib import Path
 import psutil
 
 from epd_serve.deployment.schema import Supervision
+from epd_serve.protocols.held_socket import LISTEN_FD_ENV, listening_socket
 from epd_serve.runtime.proctree import TAG_ENV, ProcessTree, kill_trees, plural
 from epd_serve.runtime.supervision import RestartBackoff
 
@@ -97,6 +98,10 @@ class Child:
     next_start_at: float | None = None
     down_because: str = ""
     silent_since: float | None = None  # not answering since (runtime/liveness.py)
+    # The proxy: (host, port) of the listening socket this supervisor holds for it
+    # across its restarts (protocols/held_socket.py); the socket, once bound.
+    listen_on: tuple[str, int] | None = None
+    listener: socket.socket | None = dataclasses.field(default=None, init=False, repr=False)
     _backoff: RestartBackoff | None = dataclasses.field(default=None, init=False, repr=False)
     _relay: subprocess.Popen | None = dataclasses.field(default=None, init=False, repr=False)
 
@@ -118,19 +123,40 @@ class Child:
                 stdin=read_end, stdout=subprocess.DEVNULL, start_new_session=True)
         finally:
             os.close(read_end)  # the relay holds the only copy
+        env = {**os.environ, **self.env, **({TAG_ENV: self.tag} if self.tag else {})}
+        listener = self._listener()
+        if listener is not None:
+            env[LISTEN_FD_ENV] = str(listener.fileno())
         try:
             self.process = subprocess.Popen(
                 self.command,
-                env={**os.environ, **self.env, **({TAG_ENV: self.tag} if self.tag else {})},
+                env=env,
                 stdout=write_end,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
+                pass_fds=() if listener is None else (listener.fileno(),),
             )
         finally:
             os.close(write_end)  # the child (and what it starts) holds the only copies
         self.started_at = self.clock()
         self.healthy = False
+
+    def _listener(self) -> socket.socket | None:
+        """The socket to hand this start, bound at the first start that can: one
+        after adopting a running proxy cannot (that proxy holds the port), and the
+        proxy then binds it itself."""
+        if self.listen_on is not None and self.listener is None:
+            try:
+                self.listener = listening_socket(*self.listen_on)
+            except OSError:
+                return None
+        return self.listener
+
+    def close_listener(self) -> None:
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
 
     def adopt(self, pid: int) -> None:
         """Watch a leader an earlier supervisor started (still running, with this

@@ -149,7 +149,11 @@ class Launcher:
                      log_path=self.log_dir / f"{step.name}.log",
                      health_url=step.health_url,
                      tag=process_tag(self.dep, step.name, self._token),
-                     supervision=self.dep.config.supervision)
+                     supervision=self.dep.config.supervision,
+                     # Clients wait, not refused, while the proxy restarts
+                     # (protocols/held_socket.py).
+                     listen_on=(step.address, next(iter(step.ports)))
+                     if step.kind == "proxy" else None)
 
     def _child_named(self, name: str) -> Child:
         return next(child for child in self.children if child.name == name)
@@ -242,6 +246,7 @@ class Launcher:
                 except subprocess.TimeoutExpired:
                     pass
             child.close_log()
+            child.close_listener()
         if self.dep.mm_store is not None:
             remove_store_files(self.dep.mm_store)
         self.state_path.unlink(missing_ok=True)

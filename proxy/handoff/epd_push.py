@@ -13,7 +13,9 @@ prefill is the client's error and is returned as is. When the last prefill insta
 cannot be reached at all (it died), decode's request is kept: decode notices the dead
 peer and computes the prompt itself, so the request is slower but not lost. A prefill
 found hung is not dead (its worker may answer decode while its engine core computes
-nothing): decode's hop ends too, and the request is planned again without it.
+nothing): decode's hop ends too, and the request is planned again without it; so does
+a decode hop still waiting when the prefill that answered it is found hung (its KV
+writes held back, decode's blocks fenced until they end).
 What both are sent and the transfer report decode answers with are the structs of
 protocols/epd_push.py; a report that does not match, or that says decode refused what
 it was sent (a field missing or renamed), fails the request with a 502 naming the
@@ -46,6 +48,7 @@ from epd_serve.proxy.upstream import single_token
 # Keys of kv_transfer_params a client may set to steer our connector per request
 # (transfer mode, fault injection where the deployment allows it); passed to prefill.
 PASSTHROUGH_KEYS = (MODE_KEY, FAULT_KEY)
+HUNG_WATCH_S = 0.5  # how often decode's wait looks whether its prefill was found hung
 
 
 class EPDPush(Handoff):
@@ -121,7 +124,7 @@ class EPDPush(Handoff):
                 if decoding is not None:
                     await _cancel(decoding, discard)
                 raise
-            return await decoding
+            return await _unless_hung(decoding, p_inst, discard)
         raise last or ProxyError(503, "no healthy instance runs stage P", "service_unavailable")
 
 
@@ -151,6 +154,25 @@ def read_report(result: dict) -> TransferReport | None:
 
 async def _discard_result(_result) -> None:
     return None
+
+
+async def _unless_hung(decoding: asyncio.Task, prefill: InstanceState,
+                       discard: Callable[[object], Awaitable]):
+    """Decode's answer, unless the prefill that wrote its KV is found hung first (a
+    prefill stopped after it answered, with writes still queued). Decode then holds the
+    request until that prefill says its writes ended (its blocks fenced:
+    connectors/epd_kv/receiver.py), for as long as it stays stopped; closed and planned
+    again instead, the request is served at once without it. (A stream's answer is
+    decode's once its headers came: it waits.)"""
+    while True:
+        done, _ = await asyncio.wait((decoding,), timeout=HUNG_WATCH_S)
+        if done:
+            return decoding.result()
+        if prefill.hung_since is not None:
+            await _cancel(decoding, discard)
+            raise ProxyError(502, f"prefill instance {prefill.name} hung with this request's "
+                             "KV still to write", "upstream_error", unreachable=True,
+                             reason="instance_hung")
 
 
 async def _cancel(task: asyncio.Task, discard: Callable[[object], Awaitable]) -> None:

@@ -15,6 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from epd_serve.connectors.epd_kv.messages import FinishedSend, RecvPlan, SendChunk
+from epd_serve.connectors.epd_kv.prompt_tail import KeepPlan
 
 
 @dataclasses.dataclass
@@ -24,6 +25,9 @@ class StepPlan(KVConnectorMetadata):
     preempted: list[str] = dataclasses.field(default_factory=list)  # request ids
     recvs: list[RecvPlan] = dataclasses.field(default_factory=list)
     num_tokens: int = 0  # tokens computed in this step, all requests together
+    # Decode: received prompts whose last token this step computes again, their
+    # prefill-computed K/V to be put back after it (prompt_tail.py).
+    keep: list[KeepPlan] = dataclasses.field(default_factory=list)
     # Exceptions of the scheduler side's own code since the last step, for the workers
     # to count (the scheduler side has no stats of its own).
     internal_errors: int = 0

@@ -137,7 +137,19 @@ class Receiver:
                                f"request {current.plan.request_id}")
                 return
             peer = self._peers.setdefault(address, Peer())
-            if not any(i.address == address and not i.resolved for i in self._incoming.values()):
+            waiting = any(i.address == address and not i.resolved
+                          for i in self._incoming.values())
+            if peer.silent and waiting:
+                # Silent with transfers still held for it (pings go on, and its first
+                # answer ends `silent`): a reservation sent now would hold these blocks
+                # too, for as long as it stays stopped, until decode has none left for
+                # anyone. Not sent, nothing can ever be written into them: decode
+                # computes the prompt and the blocks go back with the request.
+                self.stats.record("refused_silent_peer")
+                self._conclude(Incoming(plan, address, now, now), "failed",
+                               f"prefill worker {address} is silent; not reserved")
+                return
+            if not waiting:
                 # Nothing was pending with it, so nothing was pinged: its silence so far
                 # says nothing about whether it is alive.
                 peer.last_heard = now

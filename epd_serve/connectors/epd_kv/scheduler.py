@@ -50,6 +50,7 @@ from msgspec import UNSET
 from epd_serve.connectors import feature_gate
 from epd_serve.connectors.epd_kv import messages as msg
 from epd_serve.connectors.epd_kv.metadata import StepPlan, TransferReport
+from epd_serve.connectors.epd_kv.prompt_tail import keep_plans
 from epd_serve.connectors.epd_kv.settings import RECEIVING_ROLES, SENDING_ROLES, Settings
 from epd_serve.connectors.spans import ConnectorSpans
 from epd_serve.protocols import epd_push as wire
@@ -246,6 +247,9 @@ class EPDKVScheduler:
                         internal_errors=self.internal_errors)
         self._recvs, self._finished_sends, self.internal_errors = [], [], 0
         self._note_holders_running(scheduler_output)
+        if self._receiving:
+            plan.keep = keep_plans(scheduler_output.scheduled_new_reqs, self._receiving,
+                                   self.block_size)
         track_block_ids(self._block_ids, scheduler_output, self._sending)
         for request_id, count in scheduler_output.num_scheduled_tokens.items():
             sending = self._sending.get(request_id)

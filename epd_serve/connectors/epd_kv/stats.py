@@ -21,7 +21,7 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 
 _KEYS = ("sent_bytes", "busy_s", "exposed_s", "groups", "send_failures",
          "received", "receive_failures", "internal_errors", "fenced", "fence_expired",
-         "stale_writes_refused")
+         "stale_writes_refused", "refused_silent_peer")
 
 
 @dataclasses.dataclass
@@ -120,7 +120,9 @@ class EPDKVPromMetrics(KVConnectorPromMetrics):
             documentation="Late-writer fencing: transfers whose blocks decode held because "
                           "their prefill fell silent, not known gone (event=held); held "
                           "past fence_max_s and given back anyway (event=expired); writes "
-                          "prefill refused for a reservation that old (event=refused).")
+                          "prefill refused for a reservation that old (event=refused); "
+                          "reservations decode did not send to a prefill silent with "
+                          "transfers still held (event=not_reserved: computed on decode).")
         self._groups = per_engine(self._histogram_cls(
             name="epd_kv_groups", labelnames=labelnames, buckets=[1, 2, 4, 8, 16, 32, 64, 128],
             documentation="Writes (layer groups x prefill chunks) per request."))
@@ -144,6 +146,7 @@ class EPDKVPromMetrics(KVConnectorPromMetrics):
         for _ in data.get("internal_errors", []):
             self._internal.labels(*labels).inc()
         for key, event in (("fenced", "held"), ("fence_expired", "expired"),
-                           ("stale_writes_refused", "refused")):
+                           ("stale_writes_refused", "refused"),
+                           ("refused_silent_peer", "not_reserved")):
             for _ in data.get(key, []):
                 self._fence.labels(*labels, event).inc()

@@ -21,6 +21,7 @@ from epd_serve.connectors import compat
 from epd_serve.connectors.epd_kv.events import device_setter, marker
 from epd_serve.connectors.epd_kv.layout import describe_layer, layer_tensors
 from epd_serve.connectors.epd_kv.metadata import StepPlan, TransferReport
+from epd_serve.connectors.epd_kv.prompt_tail import PromptTailKeeper
 from epd_serve.connectors.epd_kv.receiver import Receiver
 from epd_serve.connectors.epd_kv.registration import MAX_ASCEND_REGIONS, kv_regions
 from epd_serve.connectors.epd_kv.sender import Sender
@@ -65,6 +66,7 @@ class EPDKVWorker:
         self.receiver: Receiver | None = None
         self._reports: dict[str, dict] = {}
         self._receiving_blocks: dict[str, list[int]] = {}  # decode: request id -> blocks
+        self.prompt_tail: PromptTailKeeper | None = None  # decode
 
     def register_kv_caches(self, kv_caches: dict) -> None:
         from vllm.model_executor.models.utils import extract_layer_index
@@ -87,6 +89,9 @@ class EPDKVWorker:
             self._start_sender(layouts, layout, model, device)
         if self.receives:
             self._start_receiver(layouts, layout)
+            first = layer_tensors(kv_caches[names[0]])[0]
+            self.prompt_tail = PromptTailKeeper([kv_caches[name] for name in names],
+                                                first.shape[0] // self.num_blocks)
 
     def _start_sender(self, layouts: list, layout: str, model, device) -> None:
         """Prefill's side: its side channel takes decode's reservations on kv_port + rank."""
@@ -124,12 +129,16 @@ class EPDKVWorker:
                 self.receiver.reserve(recv)
                 if recv.block_ids:  # none: nothing to receive, no result to come
                     self._receiving_blocks[recv.request_id] = recv.block_ids
+            if self.prompt_tail is not None:
+                self.prompt_tail.save(plan.keep)
 
     def layer_saved(self, layer_name: str) -> None:
         if self.sender is not None:
             self.sender.layer_saved(self.layer_index[layer_name])
 
     def forward_done(self) -> None:
+        if self.prompt_tail is not None:
+            self.prompt_tail.restore()
         if self.sender is not None:
             self.sender.forward_done()
 
@@ -149,6 +158,9 @@ class EPDKVWorker:
             self.receiver.abort(finished_req_ids)
         finished, failed, reports = self.receiver.take_results()
         self._reports.update(reports)
+        if self.prompt_tail is not None:
+            self.prompt_tail.landed(finished - failed)
+            self.prompt_tail.forget(finished_req_ids)
         failed_blocks: set[int] = set()
         for request_id in finished:
             blocks = self._receiving_blocks.pop(request_id, [])

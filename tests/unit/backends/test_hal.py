@@ -92,6 +92,22 @@ def test_file_backend_keeps_vllms_file_connector_and_no_store_process():
     assert dep.mm_store is None and 8990 not in dep.ports()
 
 
+def test_instances_sent_references_run_without_vllms_processor_cache():
+    # A reference and the image's pixels share vLLM's item hash: with its processor
+    # cache on, pixels sent after a failed reference reached the engine as the reference.
+    cache_off = ["--mm-processor-cache-gb", "0"]
+
+    def cache_flags(dep) -> dict[str, bool]:
+        return {name: any(cmd[i:i + 2] == cache_off for i in range(len(cmd)))
+                for name, (cmd, _, _) in by_name(dep).items()}
+
+    assert cache_flags(resolved("cuda", "E-P-D")) == {"e0": False, "p0": True, "d0": True}
+    assert cache_flags(resolved("cuda", "E-PD")) == {"e0": False, "pd0": True}
+    # Never sent a reference: the pixels, tagged with their keys, every time.
+    assert not any(cache_flags(resolved("cuda", "E-P-D", feature_refs="pixels")).values())
+    assert not any(cache_flags(resolved("cuda", "P-D")).values())  # no images stored
+
+
 def test_store_ports_are_the_deployments_and_text_only_plans_have_no_store():
     dep = resolved("cpu", "E-P-D", mm_store={"port": 7000, "metrics_port": 7001,
                                              "prefetch_base_port": 7100, "capacity": "64MiB"})

@@ -128,7 +128,8 @@ def scheduled(new=(), cached=(), resumed=(), preempted=(), tokens=None):
     ids); `cached`: (request id, block ids added this step, or all of them if resumed)."""
     tokens = tokens or {}
     return SimpleNamespace(
-        scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=(list(b),)) for r, b in new],
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=(list(b),), prompt_token_ids=None,
+                                            num_computed_tokens=0) for r, b in new],
         scheduled_cached_reqs=SimpleNamespace(
             req_ids=[r for r, _ in cached], new_block_ids=[(list(b),) for _, b in cached],
             resumed_req_ids=set(resumed)),

@@ -363,6 +363,32 @@ def test_blocks_a_stopped_prefill_may_still_write_are_held_until_it_says_none_ru
     assert np.array_equal(pair.d_memory, landed)
 
 
+def test_no_reservation_goes_to_a_silent_prefill_while_its_blocks_are_held(make_pair):
+    # In a soak, requests kept reaching decode for the ~25 s before the proxy saw the
+    # stopped prefill hung; each reservation sent to it held its blocks for the whole
+    # stop, until decode had none left and was found hung as well.
+    pair = make_pair(peer_timeout_s=0.5, release_grace_s=0.3, reservation_timeout_s=60.0)
+    pair.receiver.reserve(recv_plan(pair))
+    acknowledged(pair)
+    stopped = StoppedProcess(pair)
+    prefill(pair)
+    wait_for(lambda: incoming(pair).fenced, what="decode fenced the silent prefill's blocks")
+    pair.receiver.reserve(RecvPlan("d-next", "t2", "127.0.0.1", pair.port, [13, 14], 0, 8))
+    finished, failed, reports = pair.receiver.take_results()
+    assert finished == failed == {"d-next"}  # at once: computed on decode, blocks free
+    assert "not reserved" in reports["d-next"]["reason"]
+    assert "refused_silent_peer" in pair.receiver.stats.records
+    stopped.resume()
+    assert results(pair)["failed"] == {"d-req"}
+    finish_prefill(pair)
+    assert wait_for(pair.sender.take_finished) == {"p-req"}
+    # Prefill never heard of it, so nothing of it can land; and, heard from again,
+    # it is sent the next reservation.
+    assert not pair.d_memory[:, 13:15].any()
+    pair.receiver.reserve(RecvPlan("d-later", "t3", "127.0.0.1", pair.port, [13, 14], 0, 8))
+    acknowledged(pair, "t3")
+
+
 def test_a_fence_is_bounded_and_counted(make_pair):
     pair = make_pair(peer_timeout_s=0.3, reservation_timeout_s=60.0, fence_max_s=2.0)
     pair.receiver.reserve(recv_plan(pair))

@@ -389,6 +389,10 @@ def test_a_writer_stopped_mid_put_past_its_hold_neither_publishes_nor_serves_its
             found = reader.get("other")
             assert found is None or (found[0] == 0x11).all(), "another writer's bytes served"
             assert found is None and reader.corrupt_reads == 1  # its bytes were overwritten
+            # Dropped: no lookup finds it any more, and the next put replaces it.
+            wait_for(lambda: reader.lookup("other") is None, what="the corrupt entry dropped")
+            assert other.put("other", np.full(nbytes, 0x22, np.uint8), META)
+            assert (reader.get("other")[0] == 0x22).all()
 
 
 def test_a_feature_whose_meta_a_late_writer_overwrote_is_a_miss_for_every_reader():
@@ -406,5 +410,10 @@ def test_a_feature_whose_meta_a_late_writer_overwrote_is_a_miss_for_every_reader
         start = row[OFFSET]
         arena.mapping[start:start + row[META_LEN]] = b"\xee" * row[META_LEN]  # the late bytes
         assert reader.lookup("victim") is None
-        assert reader.get("victim") is None
-        assert reader.corrupt_reads == 2
+        assert reader.corrupt_reads == 1
+        # Dropped at once: every later reader has a plain miss, and the image can be
+        # stored again.
+        wait_for(lambda: arena.directory.find("victim") is None, what="the entry dropped")
+        assert reader.get("victim") is None and reader.corrupt_reads == 1
+        assert writer.put("victim", np.full(PAGE, 0x33, np.uint8), META)
+        assert (reader.get("victim")[0] == 0x33).all()

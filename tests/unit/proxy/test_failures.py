@@ -25,7 +25,7 @@ from epd_serve.proxy.handoff.epd_push import EPDPush
 from epd_serve.proxy.membership import Membership
 from epd_serve.proxy.metrics import ProxyMetrics
 from epd_serve.proxy.routing import RouteRequest
-from epd_serve.proxy.state import InstanceTable
+from epd_serve.proxy.state import InstanceState, InstanceTable
 from epd_serve.proxy.trip import Trip
 
 from tests.waiting import wait_for
@@ -416,3 +416,51 @@ def test_refused_requests_never_reach_an_engine_even_in_a_burst():
         assert statuses == [200, 200] + [503] * 6
         assert len(d.seen("pd0")) == 2
 
+
+
+class PrefillAnswersThenHangs:
+    """Prefill answers its one token, then stops before its writes (a chaos soak's
+    `stop prefill mid-write`): decode waits for KV that the fence holds back."""
+
+    def __init__(self, prefill: InstanceState):
+        self.prefill = prefill
+        self.decode_closed = asyncio.Event()
+
+    def note_retry(self, hop, trip):
+        pass
+
+    async def open_stream(self, hop, path, body, trip, candidates=None):
+        class Answered:
+            async def finish(self):
+                return None
+
+            async def close(self):
+                pass
+
+        return Answered()
+
+    async def post(self, hop, path, body, trip, candidates=None):
+        assert hop == "D"
+        await asyncio.sleep(0.2)
+        self.prefill.take_out("hung: silent past a deadline", hung=True)  # found by others
+        try:
+            await asyncio.sleep(60)  # the fence: until the prefill says its writes ended
+        except asyncio.CancelledError:
+            self.decode_closed.set()
+            raise
+
+
+def test_a_decode_waiting_on_a_prefill_found_hung_is_ended_to_be_planned_again():
+    async def scenario():
+        prefill = prefill_instance()
+        upstream = PrefillAnswersThenHangs(prefill)
+        handoff = EPDPush(upstream, ProxyConfig(model="m", instances=[]))
+        trip = Trip("r1", False, RouteRequest())
+        started = time.monotonic()
+        with pytest.raises(ProxyError) as err:
+            await handoff.complete("/v1/completions", {"prompt": "x"}, trip, [prefill])
+        return err.value, upstream.decode_closed.is_set(), time.monotonic() - started
+
+    err, closed, took = asyncio.run(scenario())
+    # Unreachable: the pipeline plans it again, with a stand-in for the hung prefill.
+    assert err.unreachable and err.reason == "instance_hung" and closed and took < 5
