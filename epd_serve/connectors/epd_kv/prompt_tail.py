@@ -53,8 +53,8 @@ class PromptTailKeeper:
     back after it, in every layer."""
 
     def __init__(self, caches: Sequence, blocks_per_block: int = 1):
-        # One entry per layer: its tensor, or its (k, v) pair, block-major.
-        self._tensors = [layer_tensors(cache) for cache in caches]
+        # Every layer's tensor, or both of its (k, v) pair: block-major.
+        self._tensors = [tensor for cache in caches for tensor in layer_tensors(cache)]
         self._per_block = blocks_per_block  # kernel blocks per scheduler block
         self._landed: set[str] = set()  # receives that succeeded, not yet kept
         self._saved: list[tuple[int, list]] = []
@@ -71,16 +71,13 @@ class PromptTailKeeper:
                 continue
             self._landed.discard(plan.request_id)
             rows = self._rows(plan.block_id)
-            self._saved.append((plan.block_id, [tensor[rows].clone()
-                                                for tensors in self._tensors
-                                                for tensor in tensors]))
+            self._saved.append((plan.block_id, [tensor[rows].clone() for tensor in self._tensors]))
 
     def restore(self) -> None:
         saved, self._saved = self._saved, []
         for block_id, copies in saved:
             rows = self._rows(block_id)
-            tensors = (tensor for layer in self._tensors for tensor in layer)
-            for tensor, copy in zip(tensors, copies):
+            for tensor, copy in zip(self._tensors, copies):
                 tensor[rows].copy_(copy)
 
     def _rows(self, block_id: int) -> slice:

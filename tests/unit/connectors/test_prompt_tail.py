@@ -39,6 +39,10 @@ def flat(caches) -> list[torch.Tensor]:
     return [t for layer in caches for t in (layer if isinstance(layer, tuple) else (layer,))]
 
 
+def unchanged_since(caches, snapshot: list[torch.Tensor]) -> bool:
+    return all(torch.equal(a, b) for a, b in zip(flat(caches), snapshot))
+
+
 def forward_writes_slot(caches, block: int, slot: int, kernel_blocks: int = 1) -> None:
     """What decode's forward pass does to the last prompt token's slot: its own K/V."""
     per = BLOCK // kernel_blocks
@@ -54,9 +58,9 @@ def test_prefills_kv_goes_back_after_the_step_in_every_layer_and_form():
         keeper.landed({"r"})
         keeper.save([KeepPlan("r", 2)])
         forward_writes_slot(caches, block=2, slot=3, kernel_blocks=kernel_blocks)
-        assert not all(torch.equal(a, b) for a, b in zip(flat(caches), before))
+        assert not unchanged_since(caches, before)
         keeper.restore()
-        assert all(torch.equal(a, b) for a, b in zip(flat(caches), before))
+        assert unchanged_since(caches, before)
 
 
 def test_a_receive_not_seen_to_succeed_keeps_what_decode_computed():
@@ -68,7 +72,7 @@ def test_a_receive_not_seen_to_succeed_keeps_what_decode_computed():
     forward_writes_slot(caches, block=1, slot=0)
     after_forward = [t.clone() for t in flat(caches)]
     keeper.restore()
-    assert all(torch.equal(a, b) for a, b in zip(flat(caches), after_forward))
+    assert unchanged_since(caches, after_forward)
 
 
 def test_a_request_is_kept_once():
@@ -79,6 +83,6 @@ def test_a_request_is_kept_once():
     keeper.restore()
     keeper.save([KeepPlan("r", 0)])  # scheduled again later (resumed): decode's own now
     forward_writes_slot(caches, block=0, slot=1)
-    after_forward = flat(caches)[0].clone()
+    after_forward = [t.clone() for t in flat(caches)]
     keeper.restore()
-    assert torch.equal(flat(caches)[0], after_forward)
+    assert unchanged_since(caches, after_forward)
