@@ -140,12 +140,16 @@ class Pipeline:
         try:
             return trip, await self._prefill_decode(req, plan, prepared, trip, work)
         except ProxyError as err:
-            # One end of the hand-off stopped answering under this request (it died; the
-            # refused connection took it out of the table): the other end stands in, as
-            # it does for every request planned from now on.
-            again = with_stand_in(plan, self._down()) if err.unreachable and self.stand_in \
-                else plan
-            if again == plan:
+            # An instance stopped answering under this request (it died, or hung: either
+            # took it out of the table). Planned once more from the table as it is now:
+            # the other end of the hand-off stands in, as it does for every request
+            # planned from now on, or another instance of the stage serves it (one that
+            # came up while this one waited: a restart, or a role switch refilling it).
+            if not err.unreachable:
+                raise
+            down = self._down()
+            again = with_stand_in(plan, down) if self.stand_in else plan
+            if again == plan and down & set(plan.hops):
                 raise
             self._stood_in(trip, again.stand_ins)
             return trip, await self._prefill_decode(req, again, prepared, trip, work)

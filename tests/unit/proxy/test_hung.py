@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 from epd_serve.instances.payloads import chat_body
 from epd_serve.proxy import ProxyConfig
+from epd_serve.testing.fake_server import ThreadedServer, create_fake_app
 
 from tests.waiting import wait_for
 from .harness import IMAGE, deployment
@@ -84,6 +85,35 @@ def test_a_hung_encoder_is_stood_in_for_by_prefill():
         assert resp.status_code == 200, resp.text
         assert resp.headers["x-epd-stages"].endswith("FALLBACK=E>P")
         assert d.client.get("/health").json()["stand_ins"] == ["E>P"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_held_by_a_hung_decode_goes_to_a_decode_that_came_up_meanwhile(
+        stream, monkeypatch):
+    """A role switch, a restart or a registration refills decode while a request waits
+    on the hung one: at its deadline the stage is not empty, so no stand-in applies,
+    and the request is planned again onto the new instance rather than ended with a
+    504 (as an E~-P~-D~ soak saw, its encoder switched to decode meanwhile)."""
+    monkeypatch.setenv("EPD_ADMIN_KEY", "s3cret")
+    slow = {**FAST, "first_byte_s": {"E": 0.3, "P": 0.3, "D": 3.0}}
+    late = create_fake_app("d-late")
+    with deployment(["P", "D"], deadlines=slow, health_interval_s=0.1) as d, \
+            ThreadedServer(late) as server:
+        d.apps["d1"].state.hang = True
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(post, d, chat_body("fake", "x", max_tokens=3, stream=stream))
+            wait_for(lambda: d.seen("d1"), "the request on d1")
+            added = d.client.post("/instances", json={"name": "d9", "roles": "D",
+                                                      "url": server.url},
+                                  headers={"authorization": "Bearer s3cret"})
+            assert added.status_code == 201
+            wait_for(lambda: status(d)["d9"]["healthy"], "d9 up", timeout=2.5)
+            assert not pending.done()
+            resp = pending.result(GUARD_S)
+        assert resp.status_code == 200, resp.text
+        stages = resp.headers["x-epd-stages"]
+        assert "D=d1!" in stages and "D=d9" in stages and "FALLBACK" not in stages
+        assert late.state.requests
 
 
 def test_a_hung_instance_with_no_stand_in_is_a_clear_error_within_its_deadline():
