@@ -35,7 +35,7 @@ def one_run(path: str, seed: int) -> dict[str, float]:
         launcher.start()  # Ray: the local cluster, placement groups and actors
         launcher.wait_healthy()
         healthy = time.monotonic() - start
-        warm_up(dep)
+        warm_up(dep, operator_token=launcher.internal_token)
         warmed = time.monotonic() - start
         model = dep.launches[0].served_model_name
         times = {}

@@ -113,10 +113,16 @@ def guard(request: web.Request) -> None:
     if path in OPEN_PATHS or path.startswith(METASERVER):
         return  # the metaserver URL is itself the secret (ascend_layerwise.py)
     if (path.startswith("/instances") or path == "/roles/controller") \
-            and request.method != "GET":
+            and request.method not in ("GET", "HEAD"):
         return  # the handler asks for the admin key (or says registration is off)
     proxy = request.app[PROXY]
-    if path == "/v1/traces" and request.method == "POST" and proxy.internal_token:
+    if path == "/v1/traces" and request.method == "POST":
+        # Engines' door only: with no internal token (a proxy started by hand) span
+        # exports are off, never open to a client key.
+        if not proxy.internal_token:
+            raise ProxyError(403, "span exports are off: the proxy was started without "
+                             "the deployment's internal token", "permission_error",
+                             reason="unauthorized")
         if not is_internal(request, proxy.internal_token):
             raise ProxyError(401, "span exports take the deployment's internal token",
                              "authentication_error", reason="unauthorized")

@@ -203,6 +203,12 @@ class ProxySettings(BaseModel):
         "tenants both send is computed once per tenant.")
     admin_key_env: str = Field("EPD_ADMIN_KEY", description="Environment variable holding the "
                                "key for /instances changes; unset: registration is off.")
+    stage_headers: Literal["operator", "clients"] = Field(
+        "operator", description="Who is shown each answer's x-epd-stages header and request "
+        "timelines (which stages ran and how long, whether an image's feature was stored "
+        "already, decode's prefix-cache hit): the operator (a request carrying the admin "
+        "key, or the deployment's own tools with its internal token), or every client. "
+        "Shown to clients, they tell one what others sharing its caches sent.")
     request_timeout_s: float = Field(600.0, gt=0, description="The longest wait on an "
                                      "instance that is alive but silent (deadlines).")
     health_interval_s: float = Field(2.0, gt=0)

@@ -28,7 +28,7 @@ from epd_serve.proxy.role_control import RoleController
 from epd_serve.proxy.roles import RoleSwitcher
 from epd_serve.proxy.routing import Router
 from epd_serve.proxy.state import InstanceTable
-from epd_serve.proxy.tenancy import INTERNAL_TOKEN_ENV, Tenant, Tenants
+from epd_serve.proxy.tenancy import INTERNAL_TOKEN_ENV, Tenant, Tenants, is_admin, is_internal
 from epd_serve.proxy.timeline import TraceStore
 from epd_serve.proxy.upstream import Upstream
 from epd_serve.proxy.video import VideoPreparer
@@ -54,7 +54,7 @@ class Proxy:
         self.fetcher = RemoteFetcher(config.limits) if config.limits.allow_remote_urls else None
         self.videos = VideoPreparer(config.limits, config.routing.video_chunk_frames)
         self.admission = Admission(config.limits, self.metrics, requests_for_descriptors(
-            config.limits, resource.getrlimit(resource.RLIMIT_NOFILE)[0]))
+            config.limits, resource.getrlimit(resource.RLIMIT_NOFILE)[0]), self.tenants.all)
         self.client_kv_keys = HANDOFFS[config.kv_protocol].allowed_client_keys(
             config.fault_injection) if config.kv_protocol in HANDOFFS else frozenset()
         self.traces = TraceStore()
@@ -65,6 +65,16 @@ class Proxy:
         self.session: aiohttp.ClientSession | None = None
         self.pipeline: Pipeline | None = None
         self.membership: Membership | None = None
+
+    def is_operator(self, request) -> bool:
+        """A request carrying the admin key, or the internal token (the deployment's own
+        tools: the launcher's warm-up)."""
+        return is_admin(request, self.admin_key) or is_internal(request, self.internal_token)
+
+    def shows_stages(self, request) -> bool:
+        """Whether the request is shown which stages served it (x-epd-stages, timelines):
+        they tell what is cached, by anyone sharing its caches (`stage_headers`)."""
+        return self.config.stage_headers == "clients" or self.is_operator(request)
 
     @staticmethod
     def request_ids_for(given: str) -> tuple[str, str]:
@@ -84,7 +94,8 @@ class Proxy:
 
         def key(item) -> str:
             modality = item.part_type if item.kind.embeddings else item.modality
-            return tenant.media_key(model, modality, parsed.hash_factors, item.payload())
+            return tenant.media_key(model, modality, parsed.hash_factors, item.payload(),
+                                    parsed.client_salt)
 
         return key
 

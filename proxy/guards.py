@@ -20,7 +20,7 @@ import io
 from urllib.parse import urlsplit
 
 from PIL import Image
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, model_validator
 
 from epd_serve.proxy.errors import ProxyError, bad_request
 
@@ -123,6 +123,13 @@ class Limits(BaseModel):
         2, gt=0,
         description="Videos decoded at once in the whole proxy (each on a worker thread, "
                     "off the event loop); more wait their turn.")
+    max_video_decodes_per_client: int = Field(
+        1, gt=0,
+        description="Of those, most decoding one client address's videos at once; its "
+                    "other videos wait their turn without holding a slot.")
+    video_wait_s: float = Field(
+        30.0, gt=0,
+        description="Longest wait for a decode slot (503 past it, retry later).")
     max_video_queue: int = Field(
         16, ge=0,
         description="Videos that may wait for a decode slot; one more is refused (503, "
@@ -160,6 +167,20 @@ class Limits(BaseModel):
         description="Most client requests served at once (lowered at start to what the "
                     "process's file descriptors allow); past it, new requests get 503 "
                     "with Retry-After (those already accepted are served).")
+    max_requests_per_client: int = Field(
+        1024, gt=0,
+        description="Most requests in flight from one client address (its body still "
+                    "arriving, or its answer still being computed or read); more get 429 "
+                    "(a client behind a shared gateway counts as one).")
+    tenant_weights: dict[str, PositiveFloat] = Field(
+        default_factory=dict,
+        description="Weight of each tenant (by its name in the request log, key-<8 hex>) "
+                    "in the fair share of max_requests_in_flight; unnamed tenants weigh 1.")
+    fair_share_above: float = Field(
+        0.75, gt=0, le=1,
+        description="Once this fraction of max_requests_in_flight is taken, a tenant "
+                    "past its weighted share gets 503: the rest is kept for tenants "
+                    "within theirs. 1: shares never apply.")
     max_body_bytes_in_flight: int = Field(
         1 << 30, gt=0,
         description="Most bytes of request bodies (and remote media downloads) held at "
@@ -176,6 +197,11 @@ class Limits(BaseModel):
         64 * 1024, gt=0,
         description="Slowest upload accepted: after upload_grace_s, a body must average at "
                     "least this many bytes a second, or the request ends with 408.")
+    client_write_timeout_s: float = Field(
+        30.0, gt=0,
+        description="Longest a streamed answer may wait for its client to take the next "
+                    "bytes; past it the connection is closed and the request cancelled "
+                    "on the instances (a client that stops reading holds nothing).")
     max_uploads_per_client: int = Field(
         64, gt=0,
         description="Request bodies received at once from one client address; more get "

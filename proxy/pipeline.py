@@ -149,7 +149,8 @@ class Pipeline:
                 raise
             down = self._down()
             again = with_stand_in(plan, down) if self.stand_in else plan
-            if again == plan and down & set(plan.hops):
+            # Its images are encoded already: only prefill and decode run again.
+            if again == plan and down & (set(plan.hops) - {"E"}):
                 raise
             self._stood_in(trip, again.stand_ins)
             return trip, await self._prefill_decode(req, again, prepared, trip, work)

@@ -391,7 +391,11 @@ def _completion_media(shape: _Completion) -> tuple[list[MediaItem], int]:
     """/v1/completions: a non-empty string, list of strings, token ids or lists of them;
     or vLLM's prompt embeddings instead of text (client embeddings)."""
     prompt = shape.prompt
-    if prompt is None and shape.prompt_embeds is not None:
+    if shape.prompt_embeds is not None:
+        if prompt is not None:
+            # vLLM takes both (the embeddings as prompts of their own): the refusal of
+            # client embeddings must not depend on a text prompt sent beside them.
+            raise _malformed("send 'prompt' or 'prompt_embeds', not both")
         return [MediaItem("prompt_embeds", MEDIA_PARTS["prompt_embeds"], "prompt_embeds",
                           -1, -1, embeddings=shape.prompt_embeds)], 0
     if isinstance(prompt, str):

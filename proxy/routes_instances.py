@@ -8,7 +8,6 @@ deployment set none. Handlers reach the running Proxy as `request.app[PROXY]`.
 
 from __future__ import annotations
 
-import hmac
 from typing import TypeVar
 
 from aiohttp import web
@@ -17,7 +16,7 @@ from pydantic import BaseModel, ValidationError
 from epd_serve.proxy.config import InstanceEntry
 from epd_serve.proxy.context import PROXY
 from epd_serve.proxy.errors import ProxyError, bad_request
-from epd_serve.proxy.tenancy import bearer_token
+from epd_serve.proxy.tenancy import is_admin
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -28,8 +27,7 @@ def require_admin(request: web.Request) -> None:
         raise ProxyError(403, f"instance registration and role switches are off: set "
                          f"{proxy.config.admin_key_env} in the proxy's environment to "
                          "enable it", "permission_error", reason="admin_disabled")
-    # Constant-time: the time a comparison takes must not tell how much of a key matched.
-    if not hmac.compare_digest(bearer_token(request).encode(), proxy.admin_key.encode()):
+    if not is_admin(request, proxy.admin_key):
         raise ProxyError(401, "missing or wrong admin key", "authentication_error",
                          reason="unauthorized")
 

@@ -4,9 +4,9 @@ metaserver URL a request's decode instance reports its KV blocks to.
 Runs in the proxy process. A generation request is admitted within the proxy's limits
 and its body read (admission.py: 503, 408, 413, 429), parsed once and checked before any
 engine sees it (request.py), its media keyed by the proxy (`seal`), served by
-pipeline.py and answered here, streamed or whole, with `x-epd-stages`, `x-request-id`
-and `x-epd-trace-id`; every request leaves one line in the request log and a timeline
-in the trace store. Handlers reach the running Proxy as `request.app[PROXY]`.
+pipeline.py and answered here, streamed or whole, with `x-request-id`, `x-epd-trace-id`
+and, for the operator (`stage_headers`), `x-epd-stages`; every request leaves one line
+in the request log and a timeline in the trace store. Handlers reach the running Proxy as `request.app[PROXY]`.
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ MAX_METASERVER_BODY = 1 << 20
 
 async def generate(request: web.Request) -> web.StreamResponse:
     # A place is taken before the body is read: past the limits it is refused unread.
-    with request.app[PROXY].admission.admit() as ticket:
+    with request.app[PROXY].admission.admit(request[TENANT],
+                                            request.remote or "unknown") as ticket:
         return await serve(request, ticket)
 
 
@@ -64,9 +65,11 @@ async def serve(request: web.Request, ticket) -> web.StreamResponse:
     status = 500
     try:
         results = await _run_all(proxy, reqs, trips)
+        ticket.sent()
         stages = _stages(trips)
-        headers = {STAGES_HEADER: stages, "x-request-id": client_id,
-                   TRACE_HEADER: ",".join(timeline_ids)}
+        headers = {"x-request-id": client_id, TRACE_HEADER: ",".join(timeline_ids)}
+        if proxy.shows_stages(request):
+            headers[STAGES_HEADER] = stages
         if not parsed.stream:
             status = 200
             for trip in trips:
@@ -80,7 +83,8 @@ async def serve(request: web.Request, ticket) -> web.StreamResponse:
         response = web.StreamResponse(headers=headers)
         response.content_type = "text/event-stream"
         status = 200
-        broken = await _relay(request, response, stream, metrics, trips[0], arrived)
+        broken = await _relay(request, response, stream, metrics, trips[0], arrived,
+                              proxy.config.limits.client_write_timeout_s)
         if broken is not None:  # the client was told inside the stream
             status = broken.status
             metrics.failures.labels(broken.reason).inc()
@@ -97,7 +101,7 @@ async def serve(request: web.Request, ticket) -> web.StreamResponse:
         modality = "multimodal" if trips and trips[0].multimodal else "text"
         metrics.child(metrics.requests, modality, str(status)).inc()
         for trip, timeline_id in zip(trips, timeline_ids):
-            proxy.traces.add(timeline_of(trip, timeline_id, tenant.name, client_id,
+            proxy.traces.add(timeline_of(trip, timeline_id, tenant.id, client_id,
                                          status, received_ns))
         if trips and (stages is None or parsed.stream):  # a stream's hops have ended since
             stages = _stages(trips)
@@ -170,38 +174,48 @@ async def _parse(request: web.Request, proxy: Proxy, tenant: Tenant,
                               "remote_url_disabled")
         await proxy.fetcher.inline(downloads, ticket)
     if parsed.videos:  # decoded once, here: every stage is sent the same frames
-        await proxy.videos.prepare(parsed.videos)
+        await proxy.videos.prepare(parsed.videos, request.remote or "unknown")
     parsed.seal(proxy.key_of(tenant, parsed), tenant.cache_salt(parsed.client_salt))
     return parsed
 
 
 async def _relay(request: web.Request, response: web.StreamResponse, stream, metrics,
-                 trip: Trip, arrived: float) -> ProxyError | None:
+                 trip: Trip, arrived: float, write_timeout_s: float) -> ProxyError | None:
     """Pass the answer on as it comes, timing the first event and the ones after it.
     If the client leaves, the write fails (or the handler is cancelled) and closing the
-    stream closes the instance's connection, which makes its engine abort. If the
-    instance breaks off (or hangs) mid-stream, the status has long been sent: the
-    stream ends with an error event, as vLLM ends one that fails, and the error is
-    returned."""
+    stream closes the instance's connection, which makes its engine abort; so does a
+    client that takes nothing for `write_timeout_s` (it would hold its place and the
+    instance's blocks for as long as it likes). If the instance breaks off (or hangs)
+    mid-stream, the status has long been sent: the stream ends with an error event, as
+    vLLM ends one that fails, and the error is returned."""
     first = last = None
     events = 0
     broken = None
     async with contextlib.aclosing(stream):
         await response.prepare(request)
         try:
-            async for chunk in stream:
-                now = time.perf_counter()
-                if first is None:
-                    first = now
-                events += chunk.count(b"data: ")
-                last = now
-                await response.write(chunk)
-                trip.relayed_ns.append(time.time_ns())
-        except ProxyError as err:
-            broken = err
-            # An event may have been cut mid-line: start the error on a line of its own.
-            await response.write(b"\n\ndata: " + msgspec.json.encode(err.to_body())
-                                 + b"\n\ndata: [DONE]\n\n")
+            try:
+                async for chunk in stream:
+                    now = time.perf_counter()
+                    if first is None:
+                        first = now
+                    events += chunk.count(b"data: ")
+                    last = now
+                    async with asyncio.timeout(write_timeout_s):
+                        await response.write(chunk)
+                    trip.relayed_ns.append(time.time_ns())
+            except ProxyError as err:
+                broken = err
+                # An event may have been cut mid-line: start the error on a line of its own.
+                async with asyncio.timeout(write_timeout_s):
+                    await response.write(b"\n\ndata: " + msgspec.json.encode(err.to_body())
+                                         + b"\n\ndata: [DONE]\n\n")
+        except TimeoutError:
+            if request.transport is not None:
+                request.transport.abort()
+            return ProxyError(408, f"the client took no bytes of its answer for "
+                              f"{write_timeout_s:g} s (proxy.limits.client_write_timeout_s): "
+                              "dropped, its request cancelled", reason="client_not_reading")
     await response.write_eof()
     final = next((s.instance for s in reversed(trip.stages)
                   if s.stage == trip.final_hop and not s.failed), "?")

@@ -3,7 +3,8 @@ given back to the tenant whose request it was.
 
 Runs in the proxy process. Engines post OTLP/HTTP spans with the deployment's internal
 token (the door in app.py checks it); clients read timelines with their own API key, by
-`x-epd-trace-id` or request id. Handlers reach the running Proxy as `request.app[PROXY]`.
+`x-epd-trace-id` or request id (in an open deployment, by trace id only: the rest is
+the operator's). Handlers reach the running Proxy as `request.app[PROXY]`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from aiohttp import web
 
 from epd_serve.proxy.context import PROXY, TENANT
 from epd_serve.proxy.errors import ProxyError, bad_request
+from epd_serve.proxy.tenancy import ADMIN_KEY_HEADER
 from epd_serve.proxy.timeline import parse_otlp
 
 
@@ -37,10 +39,28 @@ async def receive_spans(request: web.Request) -> web.Response:
     return web.Response(body=b"", content_type="application/x-protobuf")
 
 
+def _sees_every_request(request: web.Request) -> bool:
+    """In an open deployment every client is the one anonymous tenant: its list of
+    requests, and its requests by the ids clients choose, are everyone's, so they are
+    the operator's (admin key). A timeline's own id (random, given to the client that
+    sent the request) opens that one timeline to anyone who holds it."""
+    proxy = request.app[PROXY]
+    return not proxy.tenants.open or proxy.is_operator(request)
+
+
+def _check_shown(request: web.Request) -> None:
+    """A timeline shows which stages ran and for how long: what x-epd-stages shows."""
+    if not request.app[PROXY].shows_stages(request):
+        raise ProxyError(403, "request timelines tell what is cached: in this deployment "
+                         f"they are the operator's (proxy.stage_headers; {ADMIN_KEY_HEADER})",
+                         "permission_error", reason="admin_only")
+
+
 async def get_trace(request: web.Request) -> web.Response:
+    _check_shown(request)
     traces = request.app[PROXY].traces
     key = request.match_info["id"]
-    timeline = traces.get(key, request[TENANT].name)
+    timeline = traces.get(key, request[TENANT].id, by_client_id=_sees_every_request(request))
     if timeline is None:
         raise ProxyError(404, f"no timeline of {key!r}: the proxy keeps the last "
                          f"{traces.capacity} requests' (by x-epd-trace-id, or by "
@@ -50,10 +70,16 @@ async def get_trace(request: web.Request) -> web.Response:
 
 
 async def recent_traces(request: web.Request) -> web.Response:
+    _check_shown(request)
+    if not _sees_every_request(request):
+        raise ProxyError(403, "this deployment has no API keys, so every client's requests "
+                         "are one tenant's: listing them takes the admin key "
+                         f"({ADMIN_KEY_HEADER}); a timeline is read by its own id "
+                         "(x-epd-trace-id)", "permission_error", reason="admin_only")
     try:
         last = int(request.query.get("last", "20"))
     except ValueError:
         raise bad_request("last: a whole number of requests", "malformed") from None
     return web.json_response([
         {k: v for k, v in t.to_dict().items() if k != "spans"}
-        for t in request.app[PROXY].traces.recent(max(0, last), request[TENANT].name)])
+        for t in request.app[PROXY].traces.recent(max(0, last), request[TENANT].id)])

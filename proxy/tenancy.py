@@ -31,24 +31,34 @@ from epd_serve.proxy.request import media_bytes
 
 INTERNAL_TOKEN_ENV = "EPD_INTERNAL_TOKEN"
 INTERNAL_TOKEN_HEADER = "x-epd-internal-token"
+ADMIN_KEY_HEADER = "x-epd-admin-key"
 # Versioned: a change of what is hashed must not meet keys stored by an older proxy.
-_MEDIA_KEY_DOMAIN = b"epd-serve media key v1\0"
+_MEDIA_KEY_DOMAIN = b"epd-serve media key v2\0"
 _SALT_DOMAIN = b"epd-serve tenant salt v1\0"
 
-__all__ = ["ANONYMOUS", "INTERNAL_TOKEN_ENV", "INTERNAL_TOKEN_HEADER", "Tenant", "Tenants",
-           "bearer_token", "image_key", "is_internal", "keys_in", "own_key", "video_chunk_keys"]
+__all__ = ["ADMIN_KEY_HEADER", "ANONYMOUS", "INTERNAL_TOKEN_ENV", "INTERNAL_TOKEN_HEADER",
+           "Tenant", "Tenants", "bearer_token", "image_key", "is_admin", "is_internal",
+           "keys_in", "own_key", "video_chunk_keys"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Tenant:
-    name: str  # for logs and lookups: "anonymous" or "key-<8 hex of its hash>"
+    name: str  # for logs: "anonymous" or "key-<8 hex of its hash>"
     secret: bytes = b""  # hashed into its keys and cache salt; empty: shares caches
+    # What its records (timelines) are filed under: the whole hash of its key, so no
+    # two keys share one (eight hex digits of it would: 32 bits collide).
+    id: str = "anonymous"
 
-    def media_key(self, model: str, modality: str, factors: bytes, payload: bytes) -> str:
+    def media_key(self, model: str, modality: str, factors: bytes, payload: bytes,
+                  client_salt: str | None = None) -> str:
         """The content key of one media item: the same bytes, model and processing give
-        the same key on every proxy of the deployment (and tenant)."""
+        the same key on every proxy of the deployment (and tenant). A request's own
+        `cache_salt` is hashed in too: a client that salts its prompts for privacy
+        shares no stored feature with anyone who does not send the same salt (else
+        `E=store`, or a fast answer, would tell it someone sent this image)."""
         hasher = blake3.blake3(_MEDIA_KEY_DOMAIN)
-        for piece in (self.secret, model.encode(), modality.encode(), factors):
+        salt = b"" if client_salt is None else b"\1" + client_salt.encode()
+        for piece in (self.secret, salt, model.encode(), modality.encode(), factors):
             hasher.update(len(piece).to_bytes(4, "little"))  # no two splits hash alike
             hasher.update(piece)
         hasher.update(payload)
@@ -70,10 +80,11 @@ class Tenant:
 ANONYMOUS = Tenant("anonymous")
 
 
-def image_key(model: str, url: str, tenant: Tenant = ANONYMOUS) -> str:
+def image_key(model: str, url: str, tenant: Tenant = ANONYMOUS,
+              client_salt: str | None = None) -> str:
     """The content key the proxy gives an image sent as `url` (a data: URL) with no
     processor kwargs: what E, P, D and the MM Store know the image's feature by."""
-    return tenant.media_key(model, "image", b"", media_bytes(url))
+    return tenant.media_key(model, "image", b"", media_bytes(url), client_salt)
 
 
 def video_chunk_keys(model: str, sent_url: str, chunk_frames: int = 4,
@@ -93,7 +104,8 @@ class Tenants:
         for key in keys:
             digest = blake3.blake3(_SALT_DOMAIN + key.encode()).digest()
             self._by_key[key.encode()] = Tenant(f"key-{digest.hex()[:8]}",
-                                                digest if isolate else b"")
+                                                digest if isolate else b"",
+                                                id=f"key-{digest.hex()}")
 
     @classmethod
     def from_env(cls, variable: str | None, isolate: bool | None) -> "Tenants":
@@ -111,6 +123,11 @@ class Tenants:
     @property
     def open(self) -> bool:
         return not self._by_key
+
+    @property
+    def all(self) -> list[Tenant]:
+        """Every tenant the deployment has: its keys', or the anonymous one."""
+        return list(self._by_key.values()) or [ANONYMOUS]
 
     def for_key(self, given: str) -> Tenant | None:
         """The tenant of an API key, None for a wrong one (the anonymous tenant when the
@@ -153,6 +170,16 @@ def bearer_token(request: web.Request) -> str:
     if given[:7].lower() == "bearer ":
         return given[7:]
     return request.headers.get("x-api-key", "")
+
+
+def is_admin(request: web.Request, admin_key: str | None) -> bool:
+    """Whether the request carries the operator's admin key: in `x-epd-admin-key`
+    (beside a tenant's own key), else as its bearer token. Never with no admin key set."""
+    if not admin_key:
+        return False
+    given = request.headers.get(ADMIN_KEY_HEADER) or bearer_token(request)
+    # Constant-time: the time a comparison takes must not tell how much of a key matched.
+    return hmac.compare_digest(given.encode(), admin_key.encode())
 
 
 def is_internal(request: web.Request, token: str | None) -> bool:

@@ -226,11 +226,11 @@ class TraceStore:
                 self.dropped_spans += len(dropped)
         return known
 
-    def get(self, key: str, tenant: str) -> Timeline | None:
-        """By the proxy's id or the engines' request id, or by the client's request id
-        (its latest request of that id); only the tenant's own."""
-        timeline_id = (key if key in self._timelines else
-                       self._by_engine_id.get(key) or self._by_client_id.get((tenant, key)))
+    def get(self, key: str, tenant: str, by_client_id: bool = True) -> Timeline | None:
+        """By the proxy's id or the engines' request id, or (`by_client_id`) by the
+        client's request id (its latest request of that id); only the tenant's own."""
+        timeline_id = (key if key in self._timelines else self._by_engine_id.get(key)
+                       or (self._by_client_id.get((tenant, key)) if by_client_id else None))
         timeline = self._timelines.get(timeline_id or "")
         return timeline if timeline is not None and timeline.tenant == tenant else None
 

@@ -2,7 +2,9 @@
 
 Runs inside the proxy process; the decoding runs on worker threads of its own (PyAV,
 which releases the GIL while FFmpeg works), at most `max_video_decodes` at once, never
-on the event loop; at most `max_video_queue` more wait (503 past that). A request that
+on the event loop, at most `max_video_decodes_per_client` of them one client address's;
+at most `max_video_queue` more wait, each for `video_wait_s` at most (503 past either),
+so one client cannot hold every slot and keep the others waiting. A request that
 ends (its client left) stops its decode at the next frame, and its slot is free again
 once the thread has stopped, not before. The proxy is the only decoder of a client's video: it sends the encoders,
 prefill and decode the same frames, as vLLM's frame-list data URL
@@ -85,6 +87,14 @@ def split_chunks(frames: int, chunk_frames: int) -> tuple[tuple[int, int], ...]:
                  for start in range(0, frames, chunk_frames))
 
 
+@dataclasses.dataclass
+class _ClientShare:
+    """One client address's part of the decode slots."""
+
+    slots: asyncio.Semaphore
+    decodes: int = 0  # waiting or running: the share is forgotten at none
+
+
 class VideoPreparer:
     """Decodes the videos of requests, a bounded number at once, off the event loop."""
 
@@ -93,21 +103,23 @@ class VideoPreparer:
         self.chunk_frames = chunk_frames
         self._slots = asyncio.Semaphore(limits.max_video_decodes)
         self._waiting = 0
+        self._clients: dict[str, _ClientShare] = {}  # by address
         self._threads = concurrent.futures.ThreadPoolExecutor(
             limits.max_video_decodes, thread_name_prefix="epd-video")
 
-    async def prepare(self, items) -> None:
+    async def prepare(self, items, client: str = "unknown") -> None:
         """Make each video item's URL the frame list its stages get; set its frames,
-        chunks and pixels (what its tokens are estimated from)."""
-        tasks = [asyncio.ensure_future(self._prepare(item)) for item in items]
+        chunks and pixels (what its tokens are estimated from). `client`: the address
+        the request came from, whose decodes share its slots."""
+        tasks = [asyncio.ensure_future(self._prepare(item, client)) for item in items]
         try:
             await asyncio.gather(*tasks)
         finally:  # one refused, or the request cancelled: the others stop too
             for task in tasks:
                 task.cancel()
 
-    async def _prepare(self, item) -> None:
-        video = await self._decode(item.url, item.where)
+    async def _prepare(self, item, client: str) -> None:
+        video = await self._decode(item.url, item.where, client)
         item.url = video.url
         item.frames = video.frames
         n = len(video.frames)
@@ -116,16 +128,37 @@ class VideoPreparer:
         item.pixels = video.width * video.height * ((n + 1) // 2)
 
 
-    async def _decode(self, url: str, where: str) -> VideoFrames:
+    async def _decode(self, url: str, where: str, client: str) -> VideoFrames:
         """`decode_video` on a slot's thread. Cancelled (the request ended), the thread
         is told to stop and the slot stays taken until it has."""
         if self._slots.locked() and self._waiting >= self.limits.max_video_queue:
             raise ProxyError(503, f"{where}: {self._waiting} videos are waiting to be decoded "
                              "already; try again shortly", "service_unavailable",
                              reason="video_queue_full")
+        share = self._clients.get(client)
+        if share is None:
+            share = self._clients[client] = _ClientShare(
+                asyncio.Semaphore(self.limits.max_video_decodes_per_client))
+        share.decodes += 1
         self._waiting += 1
         try:
-            await self._slots.acquire()
+            # The client's own share first: past it, its videos wait for each other,
+            # never taking a slot another client's video could use.
+            async with asyncio.timeout(self.limits.video_wait_s):
+                await share.slots.acquire()
+                try:
+                    await self._slots.acquire()
+                except BaseException:
+                    share.slots.release()
+                    raise
+        except TimeoutError:
+            self._forget(client, share)
+            raise ProxyError(503, f"{where}: waited {self.limits.video_wait_s:g} s for a "
+                             "video decode slot (limits.video_wait_s); try again shortly",
+                             "service_unavailable", reason="video_wait") from None
+        except BaseException:
+            self._forget(client, share)
+            raise
         finally:
             self._waiting -= 1
         stop = threading.Event()
@@ -133,19 +166,31 @@ class VideoPreparer:
             future = asyncio.get_running_loop().run_in_executor(
                 self._threads, decode_video, url, self.limits, where, stop)
         except BaseException:
-            self._slots.release()
+            self._release(client, share)
             raise
-        future.add_done_callback(self._freed)
+        future.add_done_callback(lambda done: self._freed(done, client, share))
         try:
             return await asyncio.shield(future)
         except asyncio.CancelledError:
             stop.set()
             raise
 
-    def _freed(self, future: asyncio.Future) -> None:
+    def _release(self, client: str, share: _ClientShare) -> None:
+        self._slots.release()
+        share.slots.release()
+        self._forget(client, share)
+
+    def _forget(self, client: str, share: _ClientShare) -> None:
+        """One decode of `client` fewer; a client with none left is forgotten, so the
+        table holds only addresses with work here."""
+        share.decodes -= 1
+        if not share.decodes and self._clients.get(client) is share:
+            del self._clients[client]
+
+    def _freed(self, future: asyncio.Future, client: str, share: _ClientShare) -> None:
         """A decode thread has returned: its slot is free. (Its outcome is read here, so
         one nobody waits for any more, stopped or refused, is not reported as lost.)"""
-        self._slots.release()
+        self._release(client, share)
         if not future.cancelled():
             future.exception()
 

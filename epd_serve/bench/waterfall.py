@@ -18,6 +18,8 @@ from pathlib import Path
 
 import httpx
 
+from epd_serve.proxy.tenancy import ADMIN_KEY_HEADER
+
 PHASES = ("preprocess", "queue", "prefill", "decode")
 ENGINE_SPAN = "llm_request"  # vLLM's span of a request (the others are our connectors')
 # What of the KV hand-off's report (on the decode hop) a waterfall row shows.
@@ -44,11 +46,14 @@ class TraceNotFound(LookupError):
     pass
 
 
-def fetch(proxy_url: str, key: str, api_key: str | None = None, timeout_s: float = 10.0
-          ) -> dict:
+def fetch(proxy_url: str, key: str, api_key: str | None = None, timeout_s: float = 10.0,
+          admin_key: str | None = None) -> dict:
     """One timeline from a running proxy, by its id (x-epd-trace-id) or request id
-    ("last": the newest)."""
+    ("last": the newest). Without API keys the list of requests and request ids are
+    the operator's: `admin_key` opens them."""
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    if admin_key:
+        headers[ADMIN_KEY_HEADER] = admin_key
     with httpx.Client(base_url=proxy_url, timeout=timeout_s, headers=headers) as client:
         if key == "last":
             recent = client.get("/v1/traces", params={"last": 1})

@@ -239,8 +239,12 @@ def cmd_trace(args) -> int:
     from epd_serve.bench import waterfall
 
     url, api_key = _status_target(args)
+    admin_env = "EPD_ADMIN_KEY"
+    if args.config:
+        from epd_serve.runtime import bringup
+        admin_env = bringup.load(args.config).config.proxy.admin_key_env or admin_env
     try:
-        found = waterfall.fetch(url, args.id, api_key)
+        found = waterfall.fetch(url, args.id, api_key, admin_key=os.environ.get(admin_env))
     except waterfall.TraceNotFound as err:
         return _fail(str(err))
     except httpx.HTTPError as err:

@@ -25,8 +25,14 @@ if TYPE_CHECKING:
 
 
 def load(path: str | Path, **overrides: Any) -> ResolvedDeployment:
+    """The deployment file at `path`, with `overrides` of its top-level keys; a `proxy`
+    override replaces only the proxy keys it names (the file's others, such as
+    stage_headers, stay)."""
     cfg, root = schema.load(path)
     if overrides:
+        if isinstance(overrides.get("proxy"), dict):
+            overrides = {**overrides, "proxy": {**cfg.proxy.model_dump(exclude_unset=True),
+                                                **overrides["proxy"]}}
         try:
             cfg = schema.Deployment.model_validate({**cfg.model_dump(), **overrides})
         except ValidationError as err:
@@ -75,7 +81,7 @@ def bring_up(dep: ResolvedDeployment, warmup: bool = True) -> Launcher | RayLaun
         print(f"deployment {dep.config.name} ({dep.plan.to_notation()}) healthy after "
               f"{elapsed:.1f}s: {dep.proxy_url}", file=sys.stderr)
         if warmup:
-            warm_up(dep)
+            warm_up(dep, operator_token=launcher.internal_token)
     except BaseException:
         launcher.stop()
         raise

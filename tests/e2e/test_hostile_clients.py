@@ -259,3 +259,35 @@ def test_the_metaserver_takes_no_report_at_an_address_it_did_not_give(dep):
         resp = httpx.post(dep.proxy_url + path, json={"request_id": "chatcmpl-x",
                                                       "remote_host": "10.0.0.9"}, timeout=30)
         assert resp.status_code in (404, 405), (path, resp.status_code)
+
+
+def test_what_others_sent_is_not_shown_to_a_client_and_its_own_salt_keeps_it_apart(dep):
+    """By default (`stage_headers: operator`) a client is not told which stages served
+    it, so not that an image was stored already; the operator is. A client that salts
+    its request meets no feature anyone without its salt stored: its image is encoded
+    again (as the operator sees), with the same answer."""
+    e = next(l.name for l in dep.launches if l.instance.roles == "E")
+    image, _ = png(seed=7500)
+    body = image_question(dep, {"type": "image_url", "image_url": {"url": image}})
+    operator = {"x-epd-admin-key": "operator-key"}
+    with second_proxy(dep, "operator-stages", 4, env={"EPD_ADMIN_KEY": "operator-key"},
+                      stage_headers="operator") as url:
+        first = ask(url, body)
+        again = ask(url, body)
+        assert first.status_code == again.status_code == 200
+        assert "x-epd-stages" not in first.headers and "x-epd-stages" not in again.headers
+        assert httpx.get(f"{url}/v1/traces/{again.headers['x-epd-trace-id']}",
+                         timeout=30).status_code == 403
+        shown = ask(url, body, operator)
+        assert shown.headers["x-epd-stages"].startswith("E=store:")
+        salted = ask(url, {**body, "cache_salt": "only-mine"}, operator)
+        assert salted.headers["x-epd-stages"].startswith(f"E={e}:"), salted.headers
+        salted_again = ask(url, {**body, "cache_salt": "only-mine"}, operator)
+        assert salted_again.headers["x-epd-stages"].startswith("E=store:")
+    assert same_answer(first, salted) and same_answer(first, shown)
+
+
+def test_client_embeddings_stay_refused_with_a_prompt_beside_them(dep):
+    resp = httpx.post(dep.proxy_url + "/v1/completions", timeout=60, json={
+        "model": model(dep), "prompt": "hi", "prompt_embeds": "AAAA", "max_tokens": 2})
+    assert resp.status_code == 400 and "prompt_embeds" in resp.text

@@ -121,6 +121,9 @@ def deployment(roles: list[str], dead: set[str] = frozenset(), failing: dict | N
         # can stop.
         stack.callback(lambda: [setattr(a.state, "hang", False) for a in apps.values()])
         settings.setdefault("health_interval_s", 0.05)
+        # These tests read every answer's stages; the default (the operator's only)
+        # has tests of its own.
+        settings.setdefault("stage_headers", "clients")
         config = ProxyConfig(model="fake", instances=entries, kv_protocol=protocol, **settings)
         proxy = stack.enter_context(ProxyThread(create_app(config)))
         client = stack.enter_context(httpx.Client(base_url=proxy.url, timeout=30,
@@ -145,7 +148,8 @@ def ascend_deployment(roles: list[str], failing: dict | None = None):
             entries.append({"name": name, "roles": role, "url": url})
         port = free_port_block(1)
         config = ProxyConfig(model="fake", instances=entries, health_interval_s=0.05,
-                             kv_protocol="ascend-layerwise", port=port)
+                             kv_protocol="ascend-layerwise", port=port,
+                             stage_headers="clients")
         proxy = stack.enter_context(ProxyThread(create_app(config), port=port))
         client = stack.enter_context(httpx.Client(base_url=proxy.url, timeout=30))
         wait_for(lambda: client.get("/health").status_code == 200, "proxy healthy")

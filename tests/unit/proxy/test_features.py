@@ -48,7 +48,7 @@ def deployment(spec: StoreSpec, fault_injection: bool = False, feature_refs: str
         urls = {name: stack.enter_context(ThreadedServer(app)).url for name, app in apps.items()}
         config = ProxyConfig(
             model="fake", mm_store=spec.to_json(), fault_injection=fault_injection,
-            feature_refs=feature_refs,
+            feature_refs=feature_refs, stage_headers="clients",
             health_interval_s=0.05, kv_protocol="epd", instances=[
                 {"name": "e0", "roles": "E", "url": urls["e0"]},
                 {"name": "p1", "roles": "P", "url": urls["p1"], "kv_endpoint": "127.0.0.1:30101",

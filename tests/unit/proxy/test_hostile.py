@@ -6,6 +6,7 @@ proxy's own connection limits, and engine request ids nobody can guess."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import errno
 import json
 import re
@@ -102,6 +103,70 @@ def test_tenant_isolation_can_be_turned_off(monkeypatch):
         assert chat(d, "look", [IMAGE], max_tokens=2).status_code == 200
         assert parts_sent(d, "e0")[0]["uuid"] == image_key("fake", IMAGE)
         assert "cache_salt" not in d.seen("p1")[0]["body"]
+
+
+def test_a_clients_own_cache_salt_salts_its_media_keys_too():
+    """Salted, a client shares no stored feature with anyone who does not send its
+    salt: else `E=store` or a fast answer would tell it another client sent the image."""
+    with deployment(["E", "P", "D"]) as d:
+        keys = []
+        for salt in (None, "mine", "mine", "theirs"):
+            body = chat_body("fake", "look", [IMAGE], max_tokens=2)
+            if salt:
+                body["cache_salt"] = salt
+            assert d.client.post("/v1/chat/completions", json=body).status_code == 200
+            keys.append(parts_sent(d, "e0")[-1]["uuid"])
+        assert keys[0] == image_key("fake", IMAGE)
+        assert keys[1] == keys[2] == image_key("fake", IMAGE, client_salt="mine")
+        assert len({keys[0], keys[1], keys[3]}) == 3
+
+
+# -- doors ------------------------------------------------------------------------------
+def test_which_stages_served_a_request_is_the_operators_by_default(monkeypatch):
+    """x-epd-stages and timelines tell a client whether an image was stored already,
+    by anyone sharing its caches: by default only the admin key (or the deployment's
+    internal token, its own warm-up) is shown them."""
+    monkeypatch.setenv("EPD_ADMIN_KEY", "operator")
+    monkeypatch.setenv("EPD_INTERNAL_TOKEN", "engines-only")
+    with deployment(["E", "P", "D"], stage_headers="operator") as d:
+        for _ in range(2):
+            client = chat(d, "look", [IMAGE], max_tokens=2)
+            assert client.status_code == 200 and "x-epd-stages" not in client.headers
+        trace = client.headers["x-epd-trace-id"]
+        assert d.client.get(f"/v1/traces/{trace}").status_code == 403
+        for operator in ({"x-epd-admin-key": "operator"},
+                         {"x-epd-internal-token": "engines-only"}):
+            shown = chat(d, "look", [IMAGE], max_tokens=2, headers=operator)
+            assert shown.headers["x-epd-stages"].startswith("E=")
+            assert d.client.get(f"/v1/traces/{trace}", headers=operator).status_code == 200
+
+
+
+def test_prompt_embeds_are_refused_with_a_prompt_beside_them():
+    body = {"model": "fake", "prompt": "hi", "prompt_embeds": "AAAA", "max_tokens": 2}
+    with deployment(["P", "D"]) as d:
+        resp = d.client.post("/v1/completions", json=body)
+        assert resp.status_code == 400 and "prompt_embeds" in resp.text
+        assert d.seen("p0") == d.seen("d1") == []
+
+
+def test_every_method_of_the_instance_list_takes_a_key(monkeypatch):
+    monkeypatch.setenv("EPD_TEST_KEYS", "alice")
+    with deployment(["P", "D"], api_key_env="EPD_TEST_KEYS",
+                    client_headers={"authorization": "Bearer alice"}) as d:
+        assert d.client.head("/instances").status_code == 200
+        for method in ("GET", "HEAD"):
+            assert httpx.request(method, f"{d.proxy.url}/instances").status_code == 401
+
+
+def test_span_exports_are_off_without_the_internal_token(monkeypatch):
+    monkeypatch.delenv("EPD_INTERNAL_TOKEN", raising=False)
+    monkeypatch.setenv("EPD_TEST_KEYS", "alice")
+    with deployment(["P", "D"], api_key_env="EPD_TEST_KEYS",
+                    client_headers={"authorization": "Bearer alice"}) as d:
+        export = d.client.post("/v1/traces", content=b"\0",
+                               headers={"content-type": "application/x-protobuf"})
+        assert export.status_code == 403 and "internal token" in export.text
 
 
 def test_engine_request_ids_are_unguessable():
@@ -208,6 +273,86 @@ def test_one_address_may_send_only_so_many_bodies_at_once():
         for sock in slow:
             status_line(sock)
         assert chat(d, "x").status_code == 200
+
+
+def never_reading_stream(url: str, body: dict) -> socket.socket:
+    """A streamed request sent whole, whose answer is never read."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    raw = json.dumps(body).encode()
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills at once
+    sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\n"
+                 f"Content-Type: application/json\r\nContent-Length: {len(raw)}\r\n\r\n"
+                 .encode() + raw)
+    return sock
+
+
+def test_a_stream_nobody_reads_gives_its_body_back_once_sent_and_is_dropped_in_time():
+    limits = {"client_write_timeout_s": 2.0}
+    with deployment(["P", "D"], limits=limits) as d:
+        admission = d.proxy.proxy.admission
+        # A large body and a long answer the client never reads. Once the answer flows
+        # the body is with the stages: the proxy's byte budget is free again while the
+        # request still runs.
+        sock = never_reading_stream(d.proxy.url, chat_body("fake", "x" * (2 << 20),
+                                                           max_tokens=200_000, stream=True))
+        wait_for(lambda: admission.requests == 1 and admission.body_bytes == 0,
+                 "the body given back while the answer flows")
+        # Past the write deadline the connection is dropped and the request ends (its
+        # place, and decode's work, freed).
+        wait_for(lambda: admission.requests == 0, "the request ended", timeout=15)
+        assert 'reason="client_not_reading"' in d.client.get("/metrics").text
+        sock.close()
+        assert chat(d, "x").status_code == 200
+
+
+def test_one_address_may_have_only_so_many_requests_in_flight():
+    with deployment(["P", "D"], limits={"max_requests_per_client": 2}) as d:
+        d.apps["d1"].state.hold = True
+        waiting = [never_reading_stream(d.proxy.url, chat_body("fake", f"q{i}", stream=True))
+                   for i in range(2)]
+        wait_for(lambda: d.proxy.proxy.admission.requests == 2, "two requests in flight")
+        resp = chat(d, "x")
+        assert resp.status_code == 429 and "max_requests_per_client" in resp.text
+        d.apps["d1"].state.hold = False
+        for sock in waiting:
+            sock.close()
+        wait_for(lambda: d.proxy.proxy.admission.requests == 0, "the two ended")
+        assert chat(d, "x").status_code == 200
+
+
+def test_a_tenant_that_floods_leaves_the_others_their_share(monkeypatch):
+    monkeypatch.setenv("EPD_TEST_KEYS", "alice,bob")
+    limits = {"max_requests_in_flight": 8, "tenant_weights": {}}
+    with deployment(["P", "D"], api_key_env="EPD_TEST_KEYS", limits=limits,
+                    client_headers={"authorization": "Bearer alice"}) as d:
+        d.apps["d1"].state.hold = True
+        alice = {"authorization": "Bearer alice"}
+        with concurrent.futures.ThreadPoolExecutor(12) as pool:
+            flood = [pool.submit(chat, d, f"a{i}", headers=alice) for i in range(8)]
+            # Past 6 of 8 places (fair_share_above 0.75) alice is over her share (4).
+            wait_for(lambda: sum(f.done() for f in flood) == 2, "alice refused past 6")
+            assert all(f.result().status_code == 503 for f in flood if f.done())
+            assert "share" in next(f for f in flood if f.done()).result().text
+            seen = len(d.seen("p0"))
+            bob = pool.submit(chat, d, "b", headers={"authorization": "Bearer bob"})
+            wait_for(lambda: len(d.seen("p0")) > seen, "bob's request reached prefill")
+            d.apps["d1"].state.hold = False
+            assert bob.result().status_code == 200
+            assert sorted(f.result().status_code for f in flood) == [200] * 6 + [503] * 2
+
+
+def test_tenant_weights_size_the_shares():
+    from epd_serve.proxy.admission import Admission
+    from epd_serve.proxy.metrics import ProxyMetrics
+
+    tenants = Tenants(["alice", "bob"], isolate=True)
+    alice, bob = tenants.for_key("alice"), tenants.for_key("bob")
+    admission = Admission(Limits(max_requests_in_flight=12, tenant_weights={alice.name: 2}),
+                          ProxyMetrics(), tenants=tenants.all)
+    assert admission.shares == {alice.id: 8, bob.id: 4}
+    with pytest.raises(Exception, match="greater than 0"):
+        Limits(tenant_weights={alice.name: 0})
 
 
 def test_a_body_larger_than_announced_or_allowed_is_refused():

@@ -116,6 +116,27 @@ def test_a_request_held_by_a_hung_decode_goes_to_a_decode_that_came_up_meanwhile
         assert late.state.requests
 
 
+def test_an_image_request_held_by_a_hung_decode_goes_to_its_encoder_switched_to_decode(
+        monkeypatch):
+    """E~-P~-D~ as a soak ran it: decode hangs, the encoder is switched to decode while
+    an image request waits there. Its image is encoded already, so the encoder stage
+    now empty does not stop it from being planned again onto the new decode."""
+    monkeypatch.setenv("EPD_ADMIN_KEY", "s3cret")
+    slow = {**FAST, "first_byte_s": {"E": 0.3, "P": 0.3, "D": 3.0}}
+    with deployment(["E~", "P~", "D~"], deadlines=slow, health_interval_s=0.1) as d:
+        d.apps["d2"].state.hang = True
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(post, d, chat_body("fake", "look", [IMAGE], max_tokens=3))
+            wait_for(lambda: d.seen("d2"), "the request on d2")
+            switched = d.client.post("/instances/e0/role", json={"role": "D"},
+                                     headers={"authorization": "Bearer s3cret"})
+            assert switched.status_code == 200, switched.text
+            resp = pending.result(GUARD_S)
+        assert resp.status_code == 200, resp.text
+        stages = resp.headers["x-epd-stages"]
+        assert stages.startswith("E=e0:") and "D=d2!" in stages and "D=e0" in stages
+
+
 def test_a_hung_instance_with_no_stand_in_is_a_clear_error_within_its_deadline():
     with deployment(["PD"], deadlines=FAST, health_interval_s=60) as d:
         d.apps["pd0"].state.hang = True

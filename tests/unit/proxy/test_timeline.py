@@ -13,6 +13,7 @@ import pytest
 from epd_serve.bench import waterfall as view
 from epd_serve.connectors.spans import ConnectorSpans
 from epd_serve.proxy import timeline
+from epd_serve.proxy.tenancy import Tenants
 
 from .harness import IMAGE, chat, deployment
 
@@ -152,7 +153,7 @@ def test_every_hop_carries_the_clients_trace_and_the_timeline_holds_each_hop(
             parents[name] = seen["traceparent"].split("-")[2]
         assert len(set(parents.values())) == 3  # one span per hop
 
-        found = d.client.get("/v1/traces/client-9").json()
+        found = d.client.get(f"/v1/traces/{timeline_id}").json()
         assert found["trace_id"] == TRACE and found["status"] == 200
         hops = {s["name"]: s for s in found["spans"] if s["source"] == "proxy"}
         assert set(hops) == {"request", "E hop", "P hop", "D hop"}
@@ -198,7 +199,8 @@ def test_every_hop_carries_the_clients_trace_and_the_timeline_holds_each_hop(
         assert parts["total"] >= parts["D hop"]
 
 
-def test_bad_exports_and_unknown_traces_get_clear_errors(internal_token):
+def test_bad_exports_and_unknown_traces_get_clear_errors(internal_token, monkeypatch):
+    monkeypatch.setenv("EPD_ADMIN_KEY", "operator")
     with deployment(["P", "D"], limits={"max_trace_body_bytes": 4096}) as d:
         url = f"{d.proxy.url}/v1/traces"
         json_export = httpx.post(url, json={"resourceSpans": []}, headers=INTERNAL)
@@ -212,7 +214,8 @@ def test_bad_exports_and_unknown_traces_get_clear_errors(internal_token):
         missing = d.client.get("/v1/traces/nobody")
         assert missing.status_code == 404 and "nobody" in missing.json()["error"]["message"]
         assert chat(d, "x").status_code == 200
-        (recent,) = d.client.get("/v1/traces", params={"last": 1}).json()
+        (recent,) = d.client.get("/v1/traces", params={"last": 1},
+                                 headers={"x-epd-admin-key": "operator"}).json()
         assert "spans" not in recent and recent["status"] == 200
 
 
@@ -238,6 +241,37 @@ def test_reading_traces_takes_a_key_and_shows_its_tenants_only_exporting_the_tok
         assert httpx.post(url, content=body, headers={
             **protobuf, "authorization": "Bearer sekret"}).status_code == 401
         assert httpx.post(url, content=body, headers={**protobuf, **INTERNAL}).status_code == 200
+
+
+def test_without_keys_a_client_reads_its_timeline_by_its_id_and_the_rest_is_the_operators(
+        monkeypatch):
+    """Every client of an open deployment is the one anonymous tenant: the list of
+    requests, and lookups by the ids clients choose themselves, would show anyone what
+    everyone sent. A timeline's own id (random, sent to its client) opens only it."""
+    monkeypatch.setenv("EPD_ADMIN_KEY", "operator")
+    with deployment(["P", "D"]) as d:
+        mine = chat(d, "x", headers={"x-request-id": "req-1"})
+        assert mine.status_code == 200
+        listed = d.client.get("/v1/traces")
+        assert listed.status_code == 403 and "admin key" in listed.json()["error"]["message"]
+        assert d.client.get("/v1/traces/req-1").status_code == 404  # a guessable id
+        own = d.client.get(f"/v1/traces/{mine.headers['x-epd-trace-id']}")
+        assert own.status_code == 200 and own.json()["request_id"] == "req-1"
+        operator = {"x-epd-admin-key": "operator"}
+        assert [t["request_id"] for t in d.client.get("/v1/traces", headers=operator).json()
+                ] == ["req-1"]
+        assert d.client.get("/v1/traces/req-1", headers=operator).status_code == 200
+        assert d.client.get("/v1/traces", headers={"x-epd-admin-key": "wrong"}
+                            ).status_code == 403
+
+
+def test_keys_of_two_tenants_never_share_a_timeline_name():
+    """Timelines are filed under the whole hash of a tenant's key, not its 8-hex name."""
+    tenants = Tenants([f"key{i}" for i in range(3)], isolate=False)
+    ids = {tenants.for_key(f"key{i}").id for i in range(3)}
+    assert len(ids) == 3 and all(len(i) == len("key-") + 64 for i in ids)
+    assert all(tenants.for_key(f"key{i}").id.startswith(tenants.for_key(f"key{i}").name)
+               for i in range(3))
 
 
 def test_a_load_run_reports_where_the_median_request_went_and_its_tail(tmp_path):
@@ -269,9 +303,11 @@ def test_a_load_run_reports_where_the_median_request_went_and_its_tail(tmp_path)
     assert (out / "parts.png").stat().st_size > 0 and (out / "timeline_0.png").stat().st_size > 0
 
 
-def test_epd_serve_trace_shows_the_waterfall_of_a_request(tmp_path, capsys):
+def test_epd_serve_trace_shows_the_waterfall_of_a_request(tmp_path, capsys, monkeypatch):
     from epd_serve.cli.main import main
 
+    # No API keys: request ids and the list are the operator's, as here.
+    monkeypatch.setenv("EPD_ADMIN_KEY", "operator")
     with deployment(["P", "D"]) as d:
         assert chat(d, "x", headers={"x-request-id": "mine"}).status_code == 200
         assert main(["trace", "mine", "--url", d.proxy.url, "--png",

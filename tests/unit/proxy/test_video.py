@@ -297,5 +297,36 @@ def test_past_the_queue_a_video_is_refused_with_503_not_queued(monkeypatch):
     asyncio.run(run())
 
 
+def test_one_client_holds_only_its_share_of_the_slots_and_waits_within_a_deadline(
+        monkeypatch):
+    """Two slots: one client's two videos decode one after the other, so another
+    client's video takes the second slot at once; a wait past `video_wait_s` is a 503,
+    never a request held without end."""
+    slow = SlowDecodes()
+    monkeypatch.setattr(video_module, "decode_video", slow)
+
+    async def run():
+        preparer = VideoPreparer(Limits(max_video_decodes=2, video_wait_s=0.2), 4)
+        hog = asyncio.ensure_future(preparer.prepare([video_item("a1"), video_item("a2")],
+                                                     "10.0.0.1"))
+        while not slow.started:
+            await asyncio.sleep(0.005)
+        other = asyncio.ensure_future(preparer.prepare([video_item("b")], "10.0.0.2"))
+        while len(slow.started) < 2:
+            await asyncio.sleep(0.005)
+        assert sorted(slow.started) == ["a1", "b"]  # a2 waits for a1, not for b
+        # a2 waited past its deadline: the hog's request ends with a 503.
+        with pytest.raises(ProxyError) as caught:
+            await hog
+        assert caught.value.status == 503 and "video_wait_s" in caught.value.message
+        slow.release.set()
+        await other
+        while preparer._clients:  # the stopped decode returns: nothing is left held
+            await asyncio.sleep(0.005)
+        preparer.close()
+
+    asyncio.run(run())
+
+
 def video_item(url: str) -> SimpleNamespace:
     return SimpleNamespace(url=url, where="video")

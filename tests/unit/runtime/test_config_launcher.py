@@ -168,8 +168,9 @@ def test_launcher_starts_supervises_restarts_and_stops(tmp_path):
     launcher.start()
     try:
         launcher.wait_healthy()
+        # The stages are the operator's: the bring-up's internal token shows them.
         resp = httpx.post(dep.proxy_url + "/v1/chat/completions", json=chat_body("fake", "hi"),
-                          timeout=10)
+                          headers={"x-epd-internal-token": launcher.internal_token}, timeout=10)
         assert resp.status_code == 200 and resp.headers["x-epd-stages"].startswith("P=p0")
         assert (dep.work_dir / "state.json").is_file()
 

@@ -305,3 +305,16 @@ def test_cpu_instances_on_one_slot_start_together(tmp_path):
     steps = startup_plan(dep)
     assert [s.name for s in steps] == ["mmstore", "e0", "p0", "d0", "proxy"]
     assert all(list(s.waits_on) == ["mmstore"] for s in steps[1:])
+
+
+def test_a_proxy_override_keeps_the_files_other_proxy_keys(tmp_path):
+    """Tests and benchmarks override a key or two of `proxy:`; the shipped CPU files'
+    stage_headers (their clients are their operator) must survive that."""
+    dep = bringup.load(REPO / "configs/cpu/2e-pd.yaml", work_dir=str(tmp_path / "work"),
+                       proxy={"routing": {"E": "least-loaded"}, "role_control": True})
+    proxy = dep.config.proxy
+    assert proxy.stage_headers == "clients" and proxy.role_control.enabled
+    assert proxy.routing.E == "least-loaded"
+    assert proxy.routing.encoder_batch != 2  # routing itself replaced, as named
+    shared = bringup.load(REPO / "configs/h800/e-p-d.yaml", work_dir=str(tmp_path / "w2"))
+    assert shared.config.proxy.stage_headers == "operator"

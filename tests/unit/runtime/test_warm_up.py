@@ -102,7 +102,7 @@ def test_bring_up_fails_and_stops_everything_when_the_warm_up_fails(tmp_path, mo
     assert pids and not any(pid_alive(pid) for pid in pids)
 
 
-def test_a_warm_up_answered_by_a_stand_in_fails_naming_the_stage(tmp_path):
+def test_a_warm_up_answered_by_a_stand_in_fails_naming_the_stage(tmp_path, monkeypatch):
     # The deployment's proxy with fake E and D instances and its prefill instance gone:
     # the proxy answers 200, decode having computed the prompt (FALLBACK=P>D).
     dep = make_dep(tmp_path, "E-P-D")
@@ -115,12 +115,17 @@ def test_a_warm_up_answered_by_a_stand_in_fails_naming_the_stage(tmp_path):
                    else stack.enter_context(ThreadedServer(create_fake_app(launch.name))).url)
             entries.append({"name": launch.name, "roles": roles, "url": url,
                             **({"kv_endpoint": "127.0.0.1:30100"} if roles == "P" else {})})
+        # The stages are the operator's (the default): the warm-up is shown them with
+        # the bring-up's internal token, and fails where it is not.
+        monkeypatch.setenv("EPD_INTERNAL_TOKEN", "bring-up")
         config = ProxyConfig(model="fake", instances=entries, port=port, health_interval_s=0.05)
         stack.enter_context(ProxyThread(create_app(config), port=port))
         wait_for(lambda: httpx.get(dep.proxy_url + "/health").json().get("stand_ins")
                  == ["P>D"], "the proxy to see prefill down")
+        with pytest.raises(LaunchError, match="did not show which stages"):
+            warm_up(dep, timeout=30, operator_token="wrong")
         with pytest.raises(LaunchError) as info:
-            warm_up(dep, timeout=30)
+            warm_up(dep, timeout=30, operator_token="bring-up")
     message = str(info.value)
     assert message.startswith("the text warm-up request")
     assert "stage P (prefill) has no healthy instance, D did its work" in message
@@ -134,7 +139,8 @@ def test_a_deployment_that_answers_is_warmed_up(tmp_path):
     launcher.start()
     try:
         launcher.wait_healthy()
-        warm_up(dep, timeout=30)  # text and image through E, P and D: no error
+        # text and image through E, P and D, shown their stages: no error
+        warm_up(dep, timeout=30, operator_token=launcher.internal_token)
     finally:
         launcher.stop()
 
@@ -146,7 +152,7 @@ def test_the_demo_shows_an_instance_that_died_and_says_what_failed(tmp_path):
     console = Console(file=io.StringIO(), width=200)
     try:
         launcher.wait_healthy()
-        warm_up(dep, timeout=30)
+        warm_up(dep, timeout=30, operator_token=launcher.internal_token)
         failures = show_requests(dep, console)
     finally:
         launcher.stop()
@@ -166,7 +172,7 @@ def test_a_deployment_that_takes_videos_is_warmed_up_with_one_too(tmp_path):
     launcher.start()
     try:
         launcher.wait_healthy()
-        warm_up(dep, timeout=30)
+        warm_up(dep, timeout=30, operator_token=launcher.internal_token)
         e0 = next(l.url for l in dep.launches if l.name == "e0")
         seen = httpx.get(e0 + "/_requests").json()
     finally:
