@@ -125,14 +125,20 @@ def test_the_controller_moves_an_idle_encoder_to_decode_on_long_answers_and_back
         wait_for(lambda: roles(dep)["instances"]["e0"]["roles"] == "D", "e0 moved to D",
                  timeout=120)
         assert all(f.result().status_code == 200 for f in sent)
-        # The shift back: many images with short answers; with no encoder, prefill
-        # encodes them, which is the empty E stage's pressure.
-        # Enough of them to keep prefill busy past sustain_s whatever this machine's speed.
-        images = [body(dep, 3000 + i, image=True, max_tokens=2) for i in range(100)]
-        sent = [pool.submit(client.post, dep.proxy_url + "/v1/chat/completions", json=p)
-                for p in images]
-        wait_for(lambda: "E" in {v["roles"] for v in roles(dep)["instances"].values()},
-                 "an encoder again", timeout=120)
+        # The shift back: images with short answers, ten in flight at all times until an
+        # encoder is back; with no encoder, prefill encodes them, which is the empty E
+        # stage's pressure. (A fixed batch of them could end before the controller may
+        # switch again, on a fast run: min_dwell_s, then sustain_s.)
+        sent = []
+
+        def keep_ten_images_in_flight() -> bool:
+            while sum(not f.done() for f in sent) < 10:
+                sent.append(pool.submit(client.post, dep.proxy_url + "/v1/chat/completions",
+                                        json=body(dep, 3000 + len(sent), image=True,
+                                                  max_tokens=2)))
+            return "E" in {v["roles"] for v in roles(dep)["instances"].values()}
+
+        wait_for(keep_ten_images_in_flight, "an encoder again", timeout=120, interval=0.05)
         assert all(f.result().status_code == 200 for f in sent)
     view = roles(dep)
     switches = view["switches"][before:]
