@@ -140,9 +140,7 @@ class Admission:
         try:
             return await self._read(request.content, ticket, max_bytes)
         finally:
-            self.uploads[peer] -= 1
-            if not self.uploads[peer]:
-                del self.uploads[peer]
+            _decrement(self.uploads, peer)
 
     async def _read(self, content: StreamReader, ticket: Ticket, max_bytes: int) -> bytearray:
         loop = asyncio.get_running_loop()
