@@ -75,8 +75,16 @@ async def serve(request: web.Request, ticket) -> web.StreamResponse:
             for trip in trips:
                 _observe_transfer(metrics, trip)
             result = results[0] if parts is None else fanout.merge(parts, results)
-            return web.Response(body=msgspec.json.encode(result), headers=headers,
-                                content_type="application/json")
+            response = web.Response(body=msgspec.json.encode(result), headers=headers,
+                                    content_type="application/json")
+            broken = await _send_whole(request, response,
+                                       proxy.config.limits.client_write_timeout_s)
+            if broken is not None:
+                status = broken.status
+                metrics.failures.labels(broken.reason).inc()
+                log.warning("%s %s -> %d while sent: %s", request.method, request.path,
+                            broken.status, broken.message)
+            return response
         stream = results[0] if parts is None else fanout.merged_stream(
             parts, results, bool((parsed.body.get("stream_options") or {})
                                  .get("include_usage")))
@@ -179,6 +187,29 @@ async def _parse(request: web.Request, proxy: Proxy, tenant: Tenant,
     return parsed
 
 
+def _not_reading(request: web.Request, write_timeout_s: float) -> ProxyError:
+    """Drop a client that took none of its answer for `write_timeout_s`."""
+    if request.transport is not None:
+        request.transport.abort()
+    return ProxyError(408, f"the client took no bytes of its answer for "
+                      f"{write_timeout_s:g} s (proxy.limits.client_write_timeout_s): "
+                      "dropped, its request cancelled", reason="client_not_reading")
+
+
+async def _send_whole(request: web.Request, response: web.Response,
+                      write_timeout_s: float) -> ProxyError | None:
+    """Send a whole answer here, within the request's admission and the write deadline
+    (aiohttp would send it after the handler returns, with no deadline: a client that
+    never reads would keep the answer's bytes and its connection for good)."""
+    try:
+        async with asyncio.timeout(write_timeout_s):
+            await response.prepare(request)
+            await response.write_eof()
+    except TimeoutError:
+        return _not_reading(request, write_timeout_s)
+    return None
+
+
 async def _relay(request: web.Request, response: web.StreamResponse, stream, metrics,
                  trip: Trip, arrived: float, write_timeout_s: float) -> ProxyError | None:
     """Pass the answer on as it comes, timing the first event and the ones after it.
@@ -211,11 +242,7 @@ async def _relay(request: web.Request, response: web.StreamResponse, stream, met
                     await response.write(b"\n\ndata: " + msgspec.json.encode(err.to_body())
                                          + b"\n\ndata: [DONE]\n\n")
         except TimeoutError:
-            if request.transport is not None:
-                request.transport.abort()
-            return ProxyError(408, f"the client took no bytes of its answer for "
-                              f"{write_timeout_s:g} s (proxy.limits.client_write_timeout_s): "
-                              "dropped, its request cancelled", reason="client_not_reading")
+            return _not_reading(request, write_timeout_s)
     await response.write_eof()
     final = next((s.instance for s in reversed(trip.stages)
                   if s.stage == trip.final_hop and not s.failed), "?")

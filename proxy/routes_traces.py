@@ -4,7 +4,7 @@ given back to the tenant whose request it was.
 Runs in the proxy process. Engines post OTLP/HTTP spans with the deployment's internal
 token (the door in app.py checks it); clients read timelines with their own API key, by
 `x-epd-trace-id` or request id (in an open deployment, by trace id only: the rest is
-the operator's). Handlers reach the running Proxy as `request.app[PROXY]`.
+the operator's); the operator (admin key) reads every tenant's. Handlers reach the running Proxy as `request.app[PROXY]`.
 """
 
 from __future__ import annotations
@@ -48,6 +48,12 @@ def _sees_every_request(request: web.Request) -> bool:
     return not proxy.tenants.open or proxy.is_operator(request)
 
 
+def _whose(request: web.Request) -> str | None:
+    """The tenant whose timelines the request reads; None: every tenant's (the operator,
+    who needs no API key of a tenant for it: app.guard)."""
+    return None if request.app[PROXY].is_operator(request) else request[TENANT].id
+
+
 def _check_shown(request: web.Request) -> None:
     """A timeline shows which stages ran and for how long: what x-epd-stages shows."""
     if not request.app[PROXY].shows_stages(request):
@@ -60,7 +66,7 @@ async def get_trace(request: web.Request) -> web.Response:
     _check_shown(request)
     traces = request.app[PROXY].traces
     key = request.match_info["id"]
-    timeline = traces.get(key, request[TENANT].id, by_client_id=_sees_every_request(request))
+    timeline = traces.get(key, _whose(request), by_client_id=_sees_every_request(request))
     if timeline is None:
         raise ProxyError(404, f"no timeline of {key!r}: the proxy keeps the last "
                          f"{traces.capacity} requests' (by x-epd-trace-id, or by "
@@ -82,4 +88,4 @@ async def recent_traces(request: web.Request) -> web.Response:
         raise bad_request("last: a whole number of requests", "malformed") from None
     return web.json_response([
         {k: v for k, v in t.to_dict().items() if k != "spans"}
-        for t in request.app[PROXY].traces.recent(max(0, last), request[TENANT].id)])
+        for t in request.app[PROXY].traces.recent(max(0, last), _whose(request))])

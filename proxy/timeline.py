@@ -226,21 +226,30 @@ class TraceStore:
                 self.dropped_spans += len(dropped)
         return known
 
-    def get(self, key: str, tenant: str, by_client_id: bool = True) -> Timeline | None:
+    def get(self, key: str, tenant: str | None, by_client_id: bool = True) -> Timeline | None:
         """By the proxy's id or the engines' request id, or (`by_client_id`) by the
-        client's request id (its latest request of that id); only the tenant's own."""
+        client's request id (its latest request of that id); only the tenant's own
+        (None: any tenant's, for the operator)."""
         timeline_id = (key if key in self._timelines else self._by_engine_id.get(key)
-                       or (self._by_client_id.get((tenant, key)) if by_client_id else None))
+                       or (self._by_client_id_of(tenant, key) if by_client_id else None))
         timeline = self._timelines.get(timeline_id or "")
-        return timeline if timeline is not None and timeline.tenant == tenant else None
+        if timeline is None or tenant not in (None, timeline.tenant):
+            return None
+        return timeline
 
-    def recent(self, n: int, tenant: str) -> list[Timeline]:
-        """The tenant's last `n` requests, newest first."""
+    def _by_client_id_of(self, tenant: str | None, client_id: str) -> str | None:
+        if tenant is not None:
+            return self._by_client_id.get((tenant, client_id))
+        return next((timeline_id for (_, cid), timeline_id in reversed(self._by_client_id.items())
+                     if cid == client_id), None)
+
+    def recent(self, n: int, tenant: str | None) -> list[Timeline]:
+        """The tenant's last `n` requests (None: every tenant's), newest first."""
         found = []
         for timeline in reversed(self._timelines.values()):
             if len(found) >= n:
                 break
-            if timeline.tenant == tenant:
+            if tenant in (None, timeline.tenant):
                 found.append(timeline)
         return found
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import aiohttp
 
@@ -32,8 +32,7 @@ async def _one(session: aiohttp.ClientSession, url: str, body: bytes, rec: Reque
     now = time.perf_counter
     chunks = 0
     try:
-        async with session.post(url, data=body,
-                                headers={"content-type": "application/json"}) as resp:
+        async with session.post(url, data=body) as resp:
             rec.stages_header = resp.headers.get(STAGES_HEADER)
             rec.trace_id = resp.headers.get(TRACE_HEADER)
             if resp.status != 200:
@@ -74,16 +73,19 @@ async def _one(session: aiohttp.ClientSession, url: str, body: bytes, rec: Reque
 async def run_schedule(url: str, bodies: Sequence[bytes], offsets: Sequence[float],
                        modalities: Sequence[str | bool], max_concurrency: int | None = None,
                        timeout_s: float = 600.0,
-                       on_done: Callable[[RequestRecord], None] | None = None) -> list[RequestRecord]:
-    """Send bodies[i] at offsets[i] seconds after the start; return one record each.
-    modalities[i]: the request's modality ("text", "image", "video", ...), or whether
-    it is multimodal (True counts as an image request)."""
+                       on_done: Callable[[RequestRecord], None] | None = None,
+                       headers: Mapping[str, str] | None = None) -> list[RequestRecord]:
+    """Send bodies[i] at offsets[i] seconds after the start, each with `headers` (an
+    API key, the admin key); return one record each. modalities[i]: the request's
+    modality ("text", "image", "video", ...), or whether it is multimodal (True counts
+    as an image request)."""
     records = [_record(i, modalities[i], float(offsets[i])) for i in range(len(bodies))]
     limit = max_concurrency or 0
     connector = aiohttp.TCPConnector(limit=limit, limit_per_host=limit, force_close=False)
     gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     timeout = aiohttp.ClientTimeout(total=timeout_s)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers={
+            "content-type": "application/json", **(headers or {})}) as session:
         t0 = time.perf_counter() + START_DELAY_S
 
         async def send(rec: RequestRecord, body: bytes) -> None:

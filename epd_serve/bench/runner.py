@@ -7,6 +7,7 @@ Runs in the `epd-serve bench` process: builds the requests, drives the load gene
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 from rich.console import Console
@@ -39,6 +40,10 @@ class LoadSpec:
     timeout_s: float = 600.0
     slo: SLO = dataclasses.field(default_factory=SLO)
     num_devices: int = 1
+    # Sent with every request: the deployment's API key, and its admin key where the
+    # proxy shows which stages served a request to the operator only (the per-stage
+    # report reads them). Never printed nor written into a report.
+    headers: dict[str, str] = dataclasses.field(default_factory=dict, repr=False)
 
 
 @dataclasses.dataclass
@@ -82,12 +87,13 @@ def run_once(spec: LoadSpec, rate: float | None, bodies: Bodies, label: str = ""
         records = client.run(client.run_schedule(
             url, bodies.bodies[:n], offsets[:n], bodies.modalities[:n],
             spec.max_concurrency, spec.timeout_s,
-            on_done=lambda rec: progress.advance(task)))
+            on_done=lambda rec: progress.advance(task), headers=spec.headers))
     summary = summarize(records, spec.slo, spec.num_devices, rate)
     summary.update({"label": label, "rate": rate, "process": spec.process,
                     "workload": spec.workload})
     # Through our proxy: where the time of the run's requests went, from their timelines.
-    summary["timelines"] = waterfall.collect(spec.url, [r for r in records if r.ok])
+    summary["timelines"] = waterfall.collect(spec.url, [r for r in records if r.ok],
+                                             headers=spec.headers)
     console.print(_one_line(label, rate, summary))
     for line in modality_lines(summary):
         console.print(line)
@@ -157,6 +163,22 @@ def find_goodput(spec: LoadSpec, low: float, high: float, iterations: int = 5,
     return largest_passing(passes, low, high, iterations=iterations), runs
 
 
+def deployment_headers(dep) -> dict[str, str]:
+    """What the deployment's own tools send its proxy: its first API key and the admin
+    key, each from the environment variable its file names (where set)."""
+    from epd_serve.proxy.tenancy import ADMIN_KEY_HEADER, own_key
+
+    proxy = dep.config.proxy
+    headers = {}
+    api_key = own_key(proxy.api_key_env)
+    if api_key:
+        headers["authorization"] = f"Bearer {api_key}"
+    admin_key = os.environ.get(proxy.admin_key_env) if proxy.admin_key_env else None
+    if admin_key:
+        headers[ADMIN_KEY_HEADER] = admin_key
+    return headers
+
+
 def compare_deployments(config_paths: list[str], spec: LoadSpec, rates: list[float],
                         out_dir: Path, goodput: tuple[float, float] | None = None,
                         console: Console | None = None) -> Path:
@@ -182,7 +204,7 @@ def compare_resolved(deps: list, spec: LoadSpec, rates: list[float],
         label = f"{dep.config.name} ({dep.plan.to_notation()})"
         run_spec = dataclasses.replace(
             spec, url=dep.proxy_url, model=dep.launches[0].served_model_name,
-            num_devices=dep.plan.num_devices)
+            num_devices=dep.plan.num_devices, headers=deployment_headers(dep))
         console.rule(label)
         launcher = bringup.bring_up(dep)
         try:
@@ -205,7 +227,7 @@ def quick_report(dep, requests: int, out_dir: Path) -> tuple[Path, int]:
     spec = LoadSpec(url=dep.proxy_url, model=dep.launches[0].served_model_name,
                     workload="tiny-mm", num_requests=max(2, requests // 2), output_tokens=16,
                     process="poisson", num_devices=dep.plan.num_devices,
-                    slo=SLO(ttft_ms=2000, tpot_ms=200))
+                    slo=SLO(ttft_ms=2000, tpot_ms=200), headers=deployment_headers(dep))
     label = f"{dep.config.name} ({dep.plan.to_notation()})"
     results = sweep(spec, [0.25, 0.5], label)  # what two CPU cores serve without queueing
     failed = sum(r.summary["total_requests"] - r.summary["success_requests"] for r in results)

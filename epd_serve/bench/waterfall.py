@@ -68,17 +68,19 @@ def fetch(proxy_url: str, key: str, api_key: str | None = None, timeout_s: float
     return resp.json()
 
 
-def collect(proxy_url: str, records: list, timeout_s: float = 10.0) -> dict | None:
+def collect(proxy_url: str, records: list, timeout_s: float = 10.0,
+            headers: dict[str, str] | None = None) -> dict | None:
     """The timelines of a load run's requests (records with a trace id), read back from
-    the proxy once their engines' spans have arrived: how many were found, how many
-    carry engine spans, the median of each part (`median_parts`), and the timeline of
-    the request whose E2EL is the median. None where no request went through our proxy."""
+    the proxy (with the run's `headers`: its API key, the admin key) once their engines'
+    spans have arrived: how many were found, how many carry engine spans, the median of
+    each part (`median_parts`), and the timeline of the request whose E2EL is the
+    median. None where no request went through our proxy."""
     traced = [r for r in records if getattr(r, "trace_id", None)]
     if not traced:
         return None
     time.sleep(SPANS_SETTLE_S)
     found = []
-    with httpx.Client(base_url=proxy_url, timeout=timeout_s) as client:
+    with httpx.Client(base_url=proxy_url, timeout=timeout_s, headers=headers) as client:
         for rec in traced:
             try:
                 resp = client.get(f"/v1/traces/{rec.trace_id}")

@@ -7,6 +7,7 @@ planner's commands (cli/planner.py), which describe their requests the same way.
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from epd_serve.bench import arrivals, workloads
@@ -42,6 +43,14 @@ def add_load_options(p: argparse.ArgumentParser, needs_url: bool) -> None:
         p.add_argument("--model", required=True, help="model name the server answers to")
         p.add_argument("--num-devices", type=int, default=1,
                        help="devices of the deployment, to normalise per device")
+        # Keys are named by their variables, never given on the command line (which
+        # any user of the machine can read).
+        p.add_argument("--api-key-env", metavar="VAR",
+                       help="environment variable holding the API key to send")
+        p.add_argument("--admin-key-env", metavar="VAR",
+                       help="environment variable holding the proxy's admin key: its "
+                            "per-stage report needs it where the proxy shows stages to "
+                            "the operator only (proxy.stage_headers)")
     p.add_argument("--workload", default="sharegpt4o",
                    help=f"preset ({', '.join(workloads.PRESETS)}), AISBench .jsonl, "
                         "ShareGPT .json, a request trace .jsonl or a folder of images")
@@ -64,6 +73,25 @@ def add_load_options(p: argparse.ArgumentParser, needs_url: bool) -> None:
     p.add_argument("--out", default="results/bench", help="report folder")
 
 
+def key_headers(args) -> dict[str, str]:
+    """The headers --api-key-env and --admin-key-env ask for; a named variable that
+    is unset is an error (the run would only collect 401s, or no per-stage report)."""
+    from epd_serve.proxy.tenancy import ADMIN_KEY_HEADER
+
+    headers = {}
+    for option, header, form in (("api_key_env", "authorization", "Bearer {}"),
+                                 ("admin_key_env", ADMIN_KEY_HEADER, "{}")):
+        variable = getattr(args, option, None)
+        if variable is None:
+            continue
+        value = os.environ.get(variable)
+        if not value:
+            raise ValueError(f"--{option.replace('_', '-')} names {variable}, which is "
+                             "not set (or empty) in this environment")
+        headers[header] = form.format(value)
+    return headers
+
+
 def load_spec(args, url: str = "", model: str = "", num_devices: int = 1):
     """The LoadSpec the parsed options describe."""
     from epd_serve.bench.runner import LoadSpec
@@ -78,7 +106,8 @@ def load_spec(args, url: str = "", model: str = "", num_devices: int = 1):
         speedup=args.speedup, max_concurrency=args.max_concurrency,
         ignore_eos=not args.no_ignore_eos, seed=args.seed, timeout_s=args.timeout_s,
         slo=SLO(args.slo_ttft_ms, args.slo_tpot_ms),
-        num_devices=getattr(args, "num_devices", num_devices) or num_devices)
+        num_devices=getattr(args, "num_devices", num_devices) or num_devices,
+        headers=key_headers(args))
 
 
 def cmd_run(args) -> int:

@@ -418,7 +418,8 @@ def measure_handoffs(engine_profile: Profile, dep, slo: SLO, requests: int = 40,
     for k in range(runs):
         spec = runner.LoadSpec(url=dep.proxy_url, model=dep.launches[0].served_model_name,
                                workload="tiny-mm", num_requests=requests, output_tokens=16,
-                               slo=slo, seed=seed + k, num_devices=dep.plan.num_devices)
+                               slo=slo, seed=seed + k, num_devices=dep.plan.num_devices,
+                               headers=runner.deployment_headers(dep))
         bodies = runner.Bodies(spec, console)
         real = runner.run_once(spec, rate, bodies, f"hand-offs {k + 1}/{runs}", console)
         offsets = arrivals.schedule(spec.process, len(bodies.specs), rate, seed=spec.seed)

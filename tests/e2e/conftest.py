@@ -38,6 +38,7 @@ ENGINE_PYTHON = os.environ.get("EPD_E2E_ENGINE_PYTHON") or None
 MODULE_ORDER = (
     "test_epd_cpu",  # (E-P)-D, then E-P-D
     "test_epd_cpu_amx", "test_epd_cpu_degraded", "test_fingerprint",  # E-P-D
+    "test_hostile_budgets",  # E-P-D
     "test_hostile_clients",  # E-P-D, then E-P-D with the Mooncake store
     "test_mmstore_mooncake",  # E-P-D with the Mooncake store
     "test_openai_surface",  # that, then (E-P)-D, P-D (mooncake hand-off), TP1

@@ -306,6 +306,20 @@ def test_a_stream_nobody_reads_gives_its_body_back_once_sent_and_is_dropped_in_t
         assert chat(d, "x").status_code == 200
 
 
+def test_a_whole_answer_nobody_reads_is_dropped_in_time_within_its_admission():
+    with deployment(["P", "D"], limits={"client_write_timeout_s": 2.0}) as d:
+        admission = d.proxy.proxy.admission
+        # About 17 MB of answer, far more than the socket buffers between the two hold.
+        sock = never_reading_stream(d.proxy.url, chat_body("fake", "x", max_tokens=2_000_000))
+        # Sent by the handler, so the request holds its place while its answer waits
+        # for the client (aiohttp would send it after the handler, with no deadline).
+        wait_for(lambda: admission.requests == 1, "the request in flight")
+        wait_for(lambda: admission.requests == 0, "the client dropped", timeout=15)
+        assert 'reason="client_not_reading"' in d.client.get("/metrics").text
+        sock.close()
+        assert chat(d, "x").status_code == 200
+
+
 def test_one_address_may_have_only_so_many_requests_in_flight():
     with deployment(["P", "D"], limits={"max_requests_per_client": 2}) as d:
         d.apps["d1"].state.hold = True

@@ -6,6 +6,7 @@ parent, bounded retention, and the waterfall and per-stage parts read from it.""
 from __future__ import annotations
 
 import re
+import types
 
 import httpx
 import pytest
@@ -222,6 +223,7 @@ def test_bad_exports_and_unknown_traces_get_clear_errors(internal_token, monkeyp
 def test_reading_traces_takes_a_key_and_shows_its_tenants_only_exporting_the_token(
         monkeypatch, internal_token):
     monkeypatch.setenv("EPD_TEST_KEY", "sekret,other")
+    monkeypatch.setenv("EPD_ADMIN_KEY", "operator")
     with deployment(["P", "D"], api_key_env="EPD_TEST_KEY",
                     client_headers={"authorization": "Bearer sekret"}) as d:
         resp = chat(d, "x", headers={"x-request-id": "mine"})
@@ -233,6 +235,14 @@ def test_reading_traces_takes_a_key_and_shows_its_tenants_only_exporting_the_tok
         for key in ("mine", resp.headers["x-epd-trace-id"]):
             assert d.client.get(f"/v1/traces/{key}").status_code == 200
             assert d.client.get(f"/v1/traces/{key}", headers=other).status_code == 404
+            # The operator reads every tenant's, with the admin key and no tenant's.
+            assert httpx.get(f"{d.proxy.url}/v1/traces/{key}", headers={
+                "x-epd-admin-key": "operator"}).json()["request_id"] == "mine"
+        operator_list = httpx.get(f"{d.proxy.url}/v1/traces",
+                                  headers={"x-epd-admin-key": "operator"})
+        assert [t["request_id"] for t in operator_list.json()] == ["mine"]
+        assert httpx.get(f"{d.proxy.url}/v1/traces", headers={
+            "x-epd-admin-key": "wrong"}).status_code == 401
         body = engine_export(f"00-{TRACE}-00f067aa0ba902b7-01", "p0", 10**18, 0.1, 0, 0, 0)
         protobuf = {"content-type": "application/x-protobuf"}
         url = f"{d.proxy.url}/v1/traces"
@@ -301,6 +311,42 @@ def test_a_load_run_reports_where_the_median_request_went_and_its_tail(tmp_path)
     page = (out / "report.html").read_text()
     assert "Where the median request" in page and "P hop" in page
     assert (out / "parts.png").stat().st_size > 0 and (out / "timeline_0.png").stat().st_size > 0
+
+
+def test_the_load_tool_sends_the_keys_it_is_given_and_reports_stages_with_the_admin_key(
+        monkeypatch):
+    """A keyed deployment showing stages to the operator only: without keys every
+    request is a 401; with the API key they are served but the per-stage report is
+    empty; with the admin key too it is there (as `epd-serve bench run --api-key-env
+    --admin-key-env` builds them)."""
+    from rich.console import Console
+
+    from epd_serve.bench import runner
+    from epd_serve.bench.timings import SLO
+    from epd_serve.cli.bench import key_headers
+
+    monkeypatch.setenv("EPD_TEST_KEY", "sekret")
+    monkeypatch.setenv("EPD_ADMIN_KEY", "operator")
+    console = Console(stderr=True, quiet=True)
+    with deployment(["P", "D"], api_key_env="EPD_TEST_KEY", stage_headers="operator",
+                    client_headers={"authorization": "Bearer sekret"}) as d:
+        summaries = {}
+        for name, variables in (("none", {}), ("api key", {"api_key_env": "EPD_TEST_KEY"}),
+                                ("both", {"api_key_env": "EPD_TEST_KEY",
+                                          "admin_key_env": "EPD_ADMIN_KEY"})):
+            spec = runner.LoadSpec(url=d.proxy.url, model="fake", workload="text",
+                                   num_requests=4, output_tokens=2, slo=SLO(2000, 200),
+                                   headers=key_headers(types.SimpleNamespace(**variables)))
+            summaries[name] = runner.run_once(spec, 50.0, runner.Bodies(spec, console),
+                                              name, console).summary
+    assert summaries["none"]["success_requests"] == 0
+    assert summaries["api key"]["success_requests"] == 4
+    assert not summaries["api key"].get("stage_breakdown")
+    assert summaries["both"]["success_requests"] == 4
+    assert summaries["both"]["stage_breakdown"]["stages"]["P"]["count"] == 4
+    assert "sekret" not in repr(spec)
+    with pytest.raises(ValueError, match="EPD_UNSET_KEY"):
+        key_headers(types.SimpleNamespace(api_key_env="EPD_UNSET_KEY"))
 
 
 def test_epd_serve_trace_shows_the_waterfall_of_a_request(tmp_path, capsys, monkeypatch):
