@@ -44,6 +44,7 @@ class EPDKVConnector(KVConnectorBase_V1):
         self.scheduler: EPDKVScheduler | None = None
         self.worker = None
         self._load_errors: set[int] = set()  # blocks of failed receives, older vLLM
+        self._writes_ended = False  # this step's forward_done ran (finish_forward)
         if role == KVConnectorRole.SCHEDULER:
             if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) != 1:
                 raise ValueError("EPDKVConnector supports models with one KV cache group "
@@ -137,6 +138,7 @@ class EPDKVConnector(KVConnectorBase_V1):
 
     def bind_connector_metadata(self, connector_metadata) -> None:
         super().bind_connector_metadata(connector_metadata)
+        self._writes_ended = False
         # Before the forward pass: decode reserves at once, prefill plans its writes.
         if isinstance(connector_metadata, StepPlan):
             try:
@@ -158,8 +160,21 @@ class EPDKVConnector(KVConnectorBase_V1):
             self._own_error(f"queueing the writes of {layer_name}")
             self.worker.fail_step(f"queueing the writes of {layer_name} failed: {err!r}")
 
+    def finish_forward(self) -> None:
+        # Model Runner V2 calls this right after the forward pass and wait_for_save only
+        # after sampling: the step's last writes (a `whole` send, the last layer group)
+        # start here, as soon as under V1, whose only call is wait_for_save.
+        self._end_writes()
+
     def wait_for_save(self) -> None:
-        # Writes continue in the background; blocks stay pinned until they end.
+        self._end_writes()
+
+    def _end_writes(self) -> None:
+        """The forward pass is over: submit what is left of the step's writes, once a
+        step. Writes continue in the background; blocks stay pinned until they end."""
+        if self._writes_ended:
+            return
+        self._writes_ended = True
         try:
             self.worker.forward_done()
         except Exception as err:
