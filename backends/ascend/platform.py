@@ -27,6 +27,21 @@ class AscendPlatform(Platform):
     ec_connector = Connector("ECExampleConnector")
     usable_memory = 0.9
     feature_refs = "pixels"  # vllm-ascend 0.23 runs on vLLM 0.23 (hal.Platform.feature_refs)
+    # The Mooncake Store client of a consuming instance's engine core (prefill, decode;
+    # the two-node files) starts an Ascend transfer engine on the instance's first NPU
+    # after vLLM has sized the KV cache from --gpu-memory-utilization: its CANN context
+    # and ADXL buffers come on top of that budget. This share of the device is kept out
+    # of the budget for them (about 1 GiB of a 32 GiB NPU, 2 GiB of a 64 GiB one: a CANN
+    # context and a transfer engine's buffers are a few hundred MiB each; not yet
+    # measured on an Atlas node). A worker's own client is started before vLLM sizes
+    # the cache, so vLLM counts it.
+    engine_core_store_reserve = 0.03
+
+    def memory_fraction(self, launch) -> float:
+        fraction = super().memory_fraction(launch)
+        if engine_core_store_client(launch):
+            return round(fraction - self.engine_core_store_reserve, 3)
+        return fraction
 
     def platform_env(self, launch) -> dict[str, str]:
         return {
@@ -45,6 +60,15 @@ class AscendPlatform(Platform):
                     f"the Ascend backend needs {module!r} ({err}); install epd-serve[ascend] "
                     "on a machine with CANN"
                 ) from err
+
+
+def engine_core_store_client(launch) -> bool:
+    """Whether the instance's engine core runs an Ascend Mooncake Store client: our EC
+    connector's scheduler side attaches to the store where the instance consumes
+    features (the encoder's client lives in its worker)."""
+    store = launch.mm_store
+    return (store is not None and store.backend == "mooncake" and store.protocol == "ascend"
+            and launch.ec_role in ("ec_consumer", "ec_both"))
 
 
 PLATFORM = AscendPlatform()

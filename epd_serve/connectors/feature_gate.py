@@ -18,6 +18,9 @@ here for the same vLLM configuration, and answers None while the request must wa
 kv_both instance does so for every request it computes (all but those whose KV it
 receives). vllm-ascend's check is for `kv_producer` by name, so a kv_both instance runs
 vLLM's own waiting loop (unless balance scheduling is on), which asks as well.
+vllm-ascend's main (for vLLM 0.27.1) drops the prefill-node copy (a prefill runs vLLM's
+loop) and has its balance copy ask `ensure_cache_available` itself: there the gate
+gives the same answer a second time, and still holds where neither asks.
 
 Registered by the EC connector's scheduler side of a consumer, looked up by the KV
 connector's, both made by the scheduler from one `vllm_config` object; keyed by that

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from epd_serve.connectors.epd_kv.grouping import MODES
+from epd_serve.connectors.epd_kv.grouping import MODES, LinkModel
 
 # vLLM 0.32's layout names (vllm/v1/kv_cache_layout.py); describe_layer reads them all.
 KV_CACHE_LAYOUTS = ("auto", "LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
@@ -40,6 +40,12 @@ class Settings:
     # blocks are dense, one write segment per run of blocks.
     kv_cache_layout: str = "LBHNC"
     mode: str = "group"  # whole | layer | group
+    # prefill: the link's cost as the deployment states it (both or neither), instead of
+    # a loopback calibration at start (which writes within one device, never over the
+    # link to another: on Ascend a local NPU copy). Sizes deadlines and layer groups
+    # until real writes refine it (grouping.LinkEstimator).
+    link_overhead_ms: float | None = None
+    link_gb_per_s: float | None = None
     group_size: int | str = "auto"  # layers per group, or chosen from calibration
     ack_timeout_s: float = 5.0  # decode: the prefill worker must acknowledge a reservation
     heartbeat_s: float = 1.0  # decode: ping prefill workers with pending transfers
@@ -72,6 +78,13 @@ class Settings:
     fault_injection: bool = False  # honour kv_transfer_params["epd_fault"] (tests)
 
     @property
+    def stated_link(self) -> LinkModel | None:
+        """The link model the deployment states, if it does."""
+        if self.link_gb_per_s is None:
+            return None
+        return LinkModel(self.link_overhead_ms / 1e3, self.link_gb_per_s * 1e9)
+
+    @property
     def stale_reservation_s(self) -> float:
         """Prefill: a reservation older than this is never written (decode may have given
         its blocks away by `fence_max_s`); the margin is room for a write's own run."""
@@ -91,6 +104,14 @@ class Settings:
         if settings.kv_cache_layout not in KV_CACHE_LAYOUTS:
             raise ValueError(f"kv_cache_layout must be one of {', '.join(KV_CACHE_LAYOUTS)}, "
                              f"not {settings.kv_cache_layout!r}")
+        if (settings.link_overhead_ms is None) != (settings.link_gb_per_s is None):
+            raise ValueError("link_overhead_ms and link_gb_per_s state the link's cost "
+                             "together: give both, or neither (calibrated at start)")
+        if settings.link_gb_per_s is not None and not (
+                settings.link_gb_per_s > 0 and settings.link_overhead_ms >= 0):
+            raise ValueError(f"link_gb_per_s must be positive and link_overhead_ms 0 or "
+                             f"more, not {settings.link_gb_per_s!r} and "
+                             f"{settings.link_overhead_ms!r}")
         if settings.gid_index is not None and not 0 <= settings.gid_index <= 255:
             raise ValueError(f"gid_index must be 0-255 (see `show_gids`), "
                              f"not {settings.gid_index!r}")

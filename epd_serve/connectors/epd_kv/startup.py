@@ -38,10 +38,11 @@ def what_to_check(settings: Settings) -> str:
 
 def open_link(settings: Settings, regions: list[tuple[int, int]], device_type: str,
               scratch: tuple[int, int] | None = None,
-              make_link: Callable[..., Link] = Link) -> tuple[Link, LinkModel | None]:
+              make_link: Callable[..., Link] = Link,
+              scratch_device_type: str = "cpu") -> tuple[Link, LinkModel | None]:
     """Start the transfer engine and register `regions` of KV memory on `device_type`;
-    with a registered-to-be `scratch` (address, bytes), calibrate the link through it.
-    Raises `StartupError` naming the step that failed."""
+    with a registered-to-be `scratch` (address, bytes, on `scratch_device_type`),
+    calibrate the link through it. Raises `StartupError` naming the step that failed."""
     step = f"starting the transfer engine ({settings.protocol} on {settings.host})"
     try:
         link = make_link(settings.host, settings.protocol, settings.device_name,
@@ -52,8 +53,8 @@ def open_link(settings: Settings, regions: list[tuple[int, int]], device_type: s
         link.register(regions, device_type)
         model = None
         if scratch is not None:
-            step = "registering the calibration buffer"
-            link.register([scratch])
+            step = f"registering the calibration buffer ({scratch_device_type} memory)"
+            link.register([scratch], scratch_device_type)
             step = (f"the loopback calibration write through {link.session_id} "
                     f"({link.transport})")
             model = link.calibrate(*scratch)

@@ -23,7 +23,7 @@ from epd_serve.connectors.epd_kv.layout import describe_layer, layer_tensors
 from epd_serve.connectors.epd_kv.metadata import StepPlan, TransferReport
 from epd_serve.connectors.epd_kv.prompt_tail import PromptTailKeeper
 from epd_serve.connectors.epd_kv.receiver import Receiver
-from epd_serve.connectors.epd_kv.registration import MAX_ASCEND_REGIONS, kv_regions
+from epd_serve.connectors.epd_kv.registration import HCCS_ALIGNMENT, MAX_ASCEND_REGIONS, kv_regions
 from epd_serve.connectors.epd_kv.sender import Sender
 from epd_serve.connectors.epd_kv.settings import RECEIVING_ROLES, SENDING_ROLES, Settings
 from epd_serve.connectors.epd_kv.startup import open_link
@@ -33,6 +33,22 @@ from epd_serve.connectors.epd_kv.transfer import Link
 logger = logging.getLogger("vllm.epd_serve.kv.worker")
 
 CALIBRATION_BYTES = 16 << 20
+
+
+def calibration_buffer(device, protocol: str) -> tuple[object, tuple[int, int]]:
+    """The memory a sender calibrates its link through: (its owner, (address, bytes)).
+    On the Ascend transport, memory of the KV's own device, 2 MiB-aligned as every ADXL
+    registration must be: that transport moves NPU memory, so a host buffer would time
+    a host memcpy, and it is a registration vllm-ascend never makes (one the transport
+    may refuse, stopping the prefill at start). Elsewhere, host memory."""
+    if protocol != "ascend":
+        host = np.zeros(CALIBRATION_BYTES, dtype=np.uint8)
+        return host, (host.ctypes.data, host.nbytes)
+    import torch
+
+    raw = torch.empty(CALIBRATION_BYTES + HCCS_ALIGNMENT, dtype=torch.uint8, device=device)
+    start = raw.data_ptr() + (-raw.data_ptr() % HCCS_ALIGNMENT)
+    return raw, (start, CALIBRATION_BYTES)
 
 
 class TransferResults(NamedTuple):
@@ -67,6 +83,7 @@ class EPDKVWorker:
         self._reports: dict[str, dict] = {}
         self._receiving_blocks: dict[str, list[int]] = {}  # decode: request id -> blocks
         self.prompt_tail: PromptTailKeeper | None = None  # decode
+        self._scratch = None  # prefill: the calibration buffer, registered
 
     def register_kv_caches(self, kv_caches: dict) -> None:
         from vllm.model_executor.models.utils import extract_layer_index
@@ -75,14 +92,19 @@ class EPDKVWorker:
         self.layer_index = {name: i for i, name in enumerate(names)}
         layouts = [describe_layer(kv_caches[name], self.num_blocks) for name in names]
         device = layer_tensors(kv_caches[names[0]])[0].device
-        # A sender registers its calibration buffer as well: one region less for the KV.
+        # A sender that calibrates registers its calibration buffer as well: one region
+        # less for the KV.
+        calibrates = self.sends and self.settings.stated_link is None
         regions = kv_regions({name: kv_caches[name] for name in names}, device.type,
-                             MAX_ASCEND_REGIONS - (1 if self.sends else 0))
-        scratch = np.zeros(CALIBRATION_BYTES, dtype=np.uint8) if self.sends else None
-        self._scratch = scratch  # registered memory must outlive the engine
-        link, model = open_link(self.settings, regions, device.type,
-                                None if scratch is None else (scratch.ctypes.data, scratch.nbytes),
-                                make_link=Link)
+                             MAX_ASCEND_REGIONS - (1 if calibrates else 0))
+        scratch = None
+        if calibrates:
+            # Registered memory must outlive the engine: kept with the worker.
+            self._scratch, scratch = calibration_buffer(device, self.settings.protocol)
+        link, model = open_link(self.settings, regions, device.type, scratch, make_link=Link,
+                                scratch_device_type=device.type
+                                if self.settings.protocol == "ascend" else "cpu")
+        model = self.settings.stated_link or model
         self.link = link
         layout = f"{self.layout_name or 'KV'} layout, block " + "; ".join(map(str, layouts[0].forms))
         if self.sends:

@@ -86,6 +86,22 @@ def test_engine_flags_on_vllm_0_23():
         assert "--enforce-eager" not in cmd
 
 
+def test_the_engine_cores_store_client_is_kept_out_of_the_kv_budget():
+    """Two nodes share features through the Mooncake Store over the Ascend transport:
+    prefill's and decode's engine cores start a transfer engine on their NPU after vLLM
+    sized the KV cache, so their budget leaves room for it; the encoder's (a worker's,
+    counted by vLLM) and a one-node store's (shm) leave none."""
+    def fractions(mm_store):
+        dep = resolved("E-P-D", mm_store=mm_store)
+        return {name: float(cmd[cmd.index("--gpu-memory-utilization") + 1])
+                for name, (cmd, _) in commands(dep).items()}
+
+    on_one_node = fractions({"backend": "shm"})
+    across_nodes = fractions({"backend": "mooncake", "protocol": "ascend"})
+    assert on_one_node == {"e0": 0.9, "p0": 0.9, "d0": 0.9}
+    assert across_nodes == {"e0": 0.9, "p0": 0.87, "d0": 0.87}
+
+
 def test_vllm_ascends_layerwise_connector_stays_selectable():
     inst = commands(resolved("(E-P)-D", kv_connector="ascend-layerwise"))
     p_kv = transfer_config(inst["p0"][0], "kv")

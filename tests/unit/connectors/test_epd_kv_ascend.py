@@ -32,11 +32,15 @@ from epd_serve.connectors.epd_kv.registration import (
     ascend_regions,
     kv_regions,
 )
+from epd_serve.connectors.epd_kv import worker as kv_worker
+from epd_serve.connectors.epd_kv.grouping import LinkModel
 from epd_serve.connectors.epd_kv.settings import Settings
+from epd_serve.connectors.epd_kv.worker import CALIBRATION_BYTES, EPDKVWorker, calibration_buffer
 from epd_serve.connectors.epd_kv.startup import StartupError, open_link
 from epd_serve.connectors.epd_kv.transfer import TransferError
 
 from ...waiting import wait_for
+from .test_compat import kv_config
 from .test_epd_kv_device import LAYER_MS, FakeDevice
 from .test_epd_kv_transfer import (  # noqa: F401  (make_pair is a fixture)
     LAYERS,
@@ -343,6 +347,70 @@ def test_a_good_start_up_registers_the_kv_then_calibrates_through_the_scratch(mo
     assert model == ("model", 4096, 1024)
     _, model = open_link(Settings(), [(8192, 4096)], "npu", make_link=FakeStartLink)
     assert model is None and FakeStartLink.made[-1].registered == [([(8192, 4096)], "npu")]
+
+
+class CalibratingLink(FakeStartLink):
+    """Records what a worker registers and whether it calibrates."""
+
+    calibrated: list = []
+
+    def calibrate(self, address, nbytes):
+        CalibratingLink.calibrated.append((address, nbytes))
+        return LinkModel(1e-4, 1e9)
+
+
+def prefill_worker(monkeypatch, **settings) -> EPDKVWorker:
+    """A prefill worker over aligned (k, v) caches as vllm-ascend allocates them."""
+    import vllm.distributed.parallel_state as parallel_state
+
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: 0)
+    monkeypatch.setattr(kv_worker, "Link", CalibratingLink)
+    monkeypatch.setattr(FakeStartLink, "fail_at", None)
+    monkeypatch.setattr(FakeStartLink, "made", [])
+    monkeypatch.setattr(CalibratingLink, "calibrated", [])
+    config = kv_config("kv_producer", **settings)
+    worker = EPDKVWorker(config, types.SimpleNamespace(num_blocks=BLOCKS),
+                         Settings.from_extra_config(dict(config.kv_transfer_config
+                                                         .kv_connector_extra_config)))
+    worker.register_kv_caches({f"model.layers.{i}.self_attn.attn": ascend_layer()
+                               for i in range(2)})
+    return worker
+
+
+def test_on_ascend_the_link_is_calibrated_through_the_kv_devices_memory_never_a_host_buffer(
+        monkeypatch):
+    worker = prefill_worker(monkeypatch, protocol="ascend")
+    try:
+        kv_device = "cpu"  # the NPU here: the caches' own device
+        (link,) = FakeStartLink.made
+        (_, kv_type), (scratch_spans, scratch_type) = link.registered
+        assert kv_type == scratch_type == kv_device
+        ((address, nbytes),) = scratch_spans
+        # The buffer is a tensor of the KV's device (not a numpy host array), and what
+        # is registered of it starts on a 2 MiB boundary, as ADXL needs.
+        owner = worker._scratch
+        assert isinstance(owner, torch.Tensor) and owner.device.type == kv_device
+        assert address % HCCS_ALIGNMENT == 0 and nbytes == CALIBRATION_BYTES
+        assert owner.data_ptr() <= address and address + nbytes <= owner.data_ptr() + owner.nbytes
+        assert CalibratingLink.calibrated == [(address, nbytes)]
+    finally:
+        worker.shutdown()
+    # Other transports calibrate through host memory, registered as such.
+    buffer, (address, nbytes) = calibration_buffer(torch.device("cpu"), "rdma")
+    assert not isinstance(buffer, torch.Tensor) and address == buffer.ctypes.data
+
+
+def test_a_stated_link_model_replaces_the_calibration_and_its_buffer(monkeypatch):
+    worker = prefill_worker(monkeypatch, protocol="ascend", link_overhead_ms=0.2,
+                            link_gb_per_s=20.0)
+    try:
+        ((_, kv_type),) = FakeStartLink.made[0].registered  # the KV only
+        assert CalibratingLink.calibrated == [] and worker._scratch is None
+        assert worker.sender.table.link_cost.model.transfer_s(20e9) == pytest.approx(1.0002)
+    finally:
+        worker.shutdown()
+    with pytest.raises(ValueError, match="give both"):
+        Settings.from_extra_config({"link_gb_per_s": 20.0})
 
 
 # -- one transfer engine per process ----------------------------------------------------

@@ -39,8 +39,13 @@ def scheduled(tmp_path_factory) -> dict:
 
 def test_the_run_is_vllm_ascends_own_schedule(scheduled):
     assert scheduled["is_vllm_ascend_scheduler"], scheduled["scheduler"]
-    # The copy of schedule() that skips ensure_cache_available, not vLLM's.
-    assert scheduled["prefill_own_schedule"] and scheduled["balance_own_schedule"]
+    # 0.23.0.post1's copies of schedule() (a prefill's, balance scheduling's) never ask
+    # the EC connector; on the prefill it is our KV connector's None that holds a
+    # request until its feature is here (vLLM's own loop, and vllm-ascend main's
+    # balance copy, ask ensure_cache_available as well: the same answer twice).
+    assert scheduled["prefill_asked"]["asks_ec"] == 0
+    assert scheduled["balance_asked"]["asks_ec"] == 0
+    assert scheduled["prefill_asked"]["kv_waits"] > 0
 
 
 def test_prefill_loads_a_stored_feature_instead_of_encoding_it(scheduled):

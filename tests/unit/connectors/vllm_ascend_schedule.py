@@ -9,6 +9,9 @@ vllm-ascend patches the scheduler, not the model runner: importing
 `vllm_ascend/patch/platform/patch_balance_schedule.py` replaces
 `vllm.v1.core.sched.scheduler.Scheduler` with its `BalanceScheduler` (that file's last
 line), whose own `schedule()` runs on a `kv_producer` and under balance scheduling.
+Which loop ran is told by what it asks our connectors (`watch`), never by its private
+attributes: vllm-ascend's main has no `_disable_preemption` (no prefill-node copy of
+`schedule()`), and its balance copy asks `ensure_cache_available` itself.
 Loaded from its file alone: the package's other platform patches need an NPU at
 import. The one NPU-only import on the way (`vllm_ascend/utils.py`: `import torch_npu`)
 is an empty module; nothing the scheduler does touches a device. The scheduler is
@@ -127,6 +130,34 @@ def schedule_until_scheduled(scheduler, request, timeout_s: float = 10.0) -> dic
     return {"waited_passes": passes, "never_scheduled": True}
 
 
+def watch(scheduler) -> dict:
+    """What the scheduler's waiting loop asks our connectors, counted (its public
+    calls, not its private state, which vllm-ascend's main no longer has): whether it
+    asks the EC connector `ensure_cache_available` itself, and how often our KV
+    connector answers None (the request then waits a step, in vLLM's loop and in every
+    vllm-ascend copy of it)."""
+    seen = {"asks_ec": 0, "kv_waits": 0}
+    ec = scheduler.ec_connector
+    ensure = ec.ensure_cache_available
+
+    def counted_ensure(*args, **kwargs):
+        seen["asks_ec"] += 1
+        return ensure(*args, **kwargs)
+
+    ec.ensure_cache_available = counted_ensure
+    kv = scheduler.connector
+    if kv is not None:
+        matched = kv.get_num_new_matched_tokens
+
+        def counted_matched(*args, **kwargs):
+            answer = matched(*args, **kwargs)
+            seen["kv_waits"] += answer[0] is None
+            return answer
+
+        kv.get_num_new_matched_tokens = counted_matched
+    return seen
+
+
 def main() -> int:
     source, workdir = Path(sys.argv[1]), Path(sys.argv[2])
     balance_scheduler = load_balance_scheduler(source)
@@ -153,7 +184,7 @@ def main() -> int:
 
         # A prefill instance: kv_producer, so vllm-ascend's own schedule() runs.
         prefill = make_scheduler(model_dir, spec, base + 2, kv_producer=True)
-        result["prefill_own_schedule"] = bool(prefill._disable_preemption)
+        result["prefill_asked"] = watch(prefill)
         result["prefill_stored"] = schedule_until_scheduled(prefill,
                                                             image_request("p1", "stored"))
         result["prefill_missing"] = schedule_until_scheduled(prefill,
@@ -163,7 +194,7 @@ def main() -> int:
         # Balance scheduling on an instance with no KV connector (an E-PD's PD).
         os.environ["VLLM_ASCEND_BALANCE_SCHEDULING"] = "1"
         combined = make_scheduler(model_dir, spec, base + 3, kv_producer=False)
-        result["balance_own_schedule"] = bool(combined._balance_enabled)
+        result["balance_asked"] = watch(combined)
         loader = combined.ec_connector.scheduler.loader
         loader.hint(["stored-hinted"])  # what the proxy's hint does, read here in full
         result["balance_hinted"] = schedule_until_scheduled(
