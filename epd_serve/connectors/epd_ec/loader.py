@@ -130,6 +130,15 @@ class FeatureLoader:
                 self._drop(key)
             return item
 
+    def read_now(self, key: str, wait_s: float) -> Feature | None:
+        """The copy of `key`, its read started now if none is under way, waiting at most
+        `wait_s` for it; None if it is not here by then (the read goes on) or the store
+        has no such feature."""
+        item = self.want(key)
+        if item.done.wait(wait_s) and item.result is not None:
+            return item
+        return None
+
     def _ask(self, key: str, now: float, hinted: bool) -> Feature | None:
         """A new read of `key` (None if one is here or under way already); a request's
         read goes to the reader thread, a hint's the caller does."""

@@ -281,6 +281,12 @@ class EPDECScheduler:
             return False  # decided before scheduling: not held means encoded here
         item = self.loader.copy_here(identifier, needed=True)
         if item is None:
+            # Not read here yet: the proxy's hint lost the race with the request (or
+            # went to another prefill). Nothing made this request wait for it (this
+            # scheduler asks nothing before it schedules), so read it now, waiting a
+            # bound far shorter than the encode it saves.
+            item = self.loader.read_now(identifier, self.settings.claim_wait_s)
+        if item is None:
             return False
         self.loader.hold(item)
         self._claims[identifier] = item

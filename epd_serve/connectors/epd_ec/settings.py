@@ -24,6 +24,12 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     # The longest a request waits for its feature's read (a store that stopped
     # answering) before the consumer encodes the image itself.
     load_timeout_s: float = 5.0
+    # Under a scheduler that asks only `has_cache_item`, as it schedules (vllm-ascend's
+    # own copies of schedule(), its layerwise KV connector): the longest it waits for a
+    # feature not read here yet (the proxy's hint lost the race with the request)
+    # before vLLM encodes the image instead. A read from the store takes milliseconds,
+    # an encode of the same image far longer.
+    claim_wait_s: float = 0.05
     # How long an engine's first attempt to reach the store waits for an answer (beside
     # busy engines on a small host the first took over 2 s). An engine starts whether
     # or not the store answers, and attaches to it when it does (mmstore/attach.py).

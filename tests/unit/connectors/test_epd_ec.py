@@ -104,6 +104,26 @@ def test_a_feature_is_promised_only_once_its_bytes_are_here_and_held_until_the_r
     sched.shutdown()
 
 
+def test_a_scheduler_that_asks_only_as_it_schedules_gets_a_stored_feature_read_at_once(
+        store_spec):
+    """vllm-ascend's own schedule() copies and its layerwise path ask only
+    has_cache_item, as they schedule: a stored feature no hint brought in time is read
+    then (within claim_wait_s), not encoded again; a feature the store lacks is encoded
+    after no more than the store's answer."""
+    store_feature(store_spec, "stored-no-hint")
+    sched = scheduler(store_spec)
+    try:
+        assert sched.has_cache_item("stored-no-hint")  # read now, held for the request
+        req = request("r0", feature("stored-no-hint"))
+        sched.update_state_after_alloc(req, 0)
+        (load,) = sched.build_connector_meta(step()).loads.values()
+        assert np.array_equal(load.data, np.arange(64, dtype=np.uint8))
+        assert load.source == "on_demand"
+        assert not sched.has_cache_item("never-stored")
+    finally:
+        sched.shutdown()
+
+
 def test_a_missing_feature_with_the_image_is_encoded_locally(store_spec):
     sched = scheduler(store_spec)
     req = request("r2", feature("absent-with-pixels", pixels=True))

@@ -60,9 +60,10 @@ def test_prefill_encodes_a_feature_the_store_lacks(scheduled):
     assert missing["encoded"] == [0] and missing["loaded"] == []
 
 
-def test_with_no_kv_connector_a_prefetched_feature_is_claimed(scheduled):
-    # Balance scheduling, no KV connector of ours: nothing can make the request wait,
-    # a copy the hint brought is used, one not here is encoded locally.
+def test_with_no_kv_connector_a_stored_feature_is_claimed_hinted_or_not(scheduled):
+    # Balance scheduling, no KV connector of ours: nothing makes the request wait. A copy
+    # the hint brought is used; one no hint brought is read as the scheduler asks
+    # has_cache_item (claim_wait_s), rather than encoded again.
     hinted, not_hinted = scheduled["balance_hinted"], scheduled["balance_not_hinted"]
     assert hinted["encoded"] == [] and hinted["loaded"] == ["stored-hinted"]
-    assert not_hinted["encoded"] == [0] and not_hinted["loaded"] == []
+    assert not_hinted["encoded"] == [] and not_hinted["loaded"] == ["stored"]
