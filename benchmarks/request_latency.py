@@ -4,7 +4,21 @@ monolithic instance, alternated in one run so that both see the same machine.
 Brings up each deployment in turn, A B A B ... (default E-P-D and TP1, two rounds
 each), sends text and image requests one at a time after a few unmeasured ones, and
 prints per round and kind the median end-to-end latency and the median time of each
-stage as the proxy reports it (x-epd-stages). Ends with one line:
+stage as the proxy reports it (x-epd-stages). Then where the time goes, per hop, from
+each measured request's timeline (the proxy's hop spans with the engines' own spans
+under them, proxy/timeline.py): a table of medians per part and deployment, and the
+same as a plot (results/request_latency/parts.png). A hop's parts:
+
+    outside engine   HTTP both ways, the API server's work before the engine sees the
+                     request and after its last token (detokenizing, the response)
+    preprocess       vLLM's frontend: parse, chat template, tokenize, media processing,
+                     up to the engine core taking the request
+    queue            the scheduler's wait
+    prefill, decode  the forward passes (to the first token, after it)
+    features load    (P, D) a stored feature read from the MM Store into the engine
+    KV receive       (D) the KV hand-off, reservation to landed
+
+Ends with one line:
 
     summary: text_ratio=<x> image_ratio=<x> spread=<pct>
 
@@ -24,9 +38,12 @@ import statistics
 import sys
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import httpx
 
+from epd_serve.bench import waterfall
+from epd_serve.bench.runner import deployment_headers
 from epd_serve.deployment import schema
 from epd_serve.instances.payloads import chat_body, image_data_url, make_image
 from epd_serve.runtime import bringup
@@ -37,9 +54,10 @@ UNMEASURED = 3  # requests per kind before the measured ones: first-use costs ou
 
 
 def measure(path: str, overrides: dict, requests: int, max_tokens: int, seed: int
-            ) -> tuple[str, dict[str, dict[str, list[float]]]]:
+            ) -> tuple[str, dict[str, dict[str, list[float]]], dict[str, list[dict]]]:
     """Bring up one deployment, time `requests` requests of each kind one at a time,
-    stop it. Returns its notation and, per kind, the samples of each part in ms."""
+    stop it. Returns its notation, per kind the samples of each stage in ms, and per
+    kind the measured requests' timelines."""
     dep = bringup.load(path, **overrides)
     start = time.monotonic()
     launcher = bringup.bring_up(dep)  # as `epd-serve up`: healthy, then one warm-up of each kind
@@ -47,8 +65,11 @@ def measure(path: str, overrides: dict, requests: int, max_tokens: int, seed: in
           f"{time.monotonic() - start:.0f}s", file=sys.stderr)
     model = dep.launches[0].served_model_name
     rows: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    traced: dict[str, list[str]] = defaultdict(list)
+    timelines: dict[str, list[dict]] = defaultdict(list)
     try:
-        with httpx.Client(base_url=dep.proxy_url, timeout=300) as client:
+        with httpx.Client(base_url=dep.proxy_url, timeout=300,
+                          headers=deployment_headers(dep)) as client:
             for i in range(2 * (UNMEASURED + requests)):
                 kind = KINDS[i % 2]
                 # A new image every time: an image seen before would skip its encoder.
@@ -66,9 +87,19 @@ def measure(path: str, overrides: dict, requests: int, max_tokens: int, seed: in
                 for stage, _inst, stage_ms in STAGE_RE.findall(
                         resp.headers.get("x-epd-stages", "")):
                     rows[kind][stage].append(float(stage_ms))
+                traced[kind].append(resp.headers.get("x-epd-trace-id", ""))
+            time.sleep(waterfall.SPANS_SETTLE_S)  # the engines' last spans
+            for kind, ids in traced.items():
+                for trace_id in ids:
+                    found = client.get(f"/v1/traces/{trace_id}") if trace_id else None
+                    if found is not None and found.status_code == 200:
+                        timelines[kind].append(found.json())
     finally:
         launcher.stop()
-    return dep.plan.to_notation(), rows
+    if not any(timelines.values()):
+        print(f"{dep.config.name}: no timeline readable (stage_headers: operator needs "
+              "the admin key in EPD_ADMIN_KEY): no breakdown", file=sys.stderr)
+    return dep.plan.to_notation(), rows, timelines
 
 
 def main() -> None:
@@ -79,6 +110,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="A B rounds (at least 2)")
     parser.add_argument("--requests", type=int, default=10, help="measured, per kind and round")
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--out", type=Path, default=Path("results/request_latency"),
+                        help="folder of the breakdown's plot")
     parser.add_argument("--kv-connector", choices=["epd", "mooncake"],
                         help="override A's KV connector (P -> D hand-off)")
     parser.add_argument("--mm-store", choices=["shm", "mooncake", "file"],
@@ -97,13 +130,18 @@ def main() -> None:
     # medians[deployment][kind] -> one median per round
     medians: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     samples: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    # timelines[deployment][kind]: every round's measured requests
+    timelines: dict[str, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
     names = []
     for rnd in range(args.rounds):
         for which, path in enumerate(args.configs):
-            name, rows = measure(path, overrides if which == 0 else {}, args.requests,
-                                 args.max_tokens, seed=1000 * (rnd + 1) + 100 * which)
+            name, rows, traces = measure(path, overrides if which == 0 else {},
+                                         args.requests, args.max_tokens,
+                                         seed=1000 * (rnd + 1) + 100 * which)
             if name not in names:
                 names.append(name)
+            for kind in KINDS:
+                timelines[name][kind] += traces[kind]
             for kind in KINDS:
                 stages = rows[kind]
                 medians[name][kind].append(statistics.median(stages["total"]))
@@ -121,8 +159,38 @@ def main() -> None:
         print(f"{name:6s} " + "  ".join(
             f"{kind} median {statistics.median(samples[name][kind]):.0f} ms "
             f"(rounds: {', '.join(f'{m:.0f}' for m in medians[name][kind])})" for kind in KINDS))
+    print_breakdown(names, timelines, args.out)
     print(f"summary: text_ratio={ratios['text']:.2f} image_ratio={ratios['image']:.2f} "
           f"spread={spread:.0%}")
+
+
+def part_order(part: str) -> tuple:
+    """Hops in request order (E, P, D, PD), each hop's row first, then its parts."""
+    stage, _, rest = part.partition(" ")
+    return ("EPD".find(stage[0]) if stage != "total" else 9, rest != "hop", rest)
+
+
+def print_breakdown(names: list[str], timelines: dict, out: Path) -> None:
+    """Per kind, the median of each part of a request (ms) in each deployment, and the
+    same as a plot."""
+    medians = {(name, kind): waterfall.median_parts(timelines[name][kind])
+               for name in names for kind in KINDS if timelines[name][kind]}
+    if not medians:
+        return
+    for kind in KINDS:
+        columns = [name for name in names if (name, kind) in medians]
+        parts = sorted({p for name in columns for p in medians[name, kind]}, key=part_order)
+        print(f"where a {kind} request's time goes (ms, median of each part over "
+              f"{', '.join(f'{len(timelines[n][kind])} {n}' for n in columns)} requests):")
+        print(f"  {'part':28s}" + "".join(f"{name:>10s}" for name in columns))
+        for part in parts:
+            cells = [medians[name, kind].get(part) for name in columns]
+            print(f"  {part:28s}" + "".join(f"{'-' if c is None else f'{c:.1f}':>10s}"
+                                              for c in cells))
+    out.mkdir(parents=True, exist_ok=True)
+    path = waterfall.plot_parts([(f"{name} {kind}", parts)
+                                 for (name, kind), parts in medians.items()], out / "parts.png")
+    print(f"plot: {path}")
 
 
 if __name__ == "__main__":

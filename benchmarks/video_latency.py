@@ -7,10 +7,15 @@ answers) and Video-MME (64 frames, multiple choice, 4-token answers); streamed, 
 TTFT and E2EL are both read. Three comparisons, each on one host in one run:
 - E-P-D vs TP1, runs ordered A B A B (E-P-D, TP1, E-P-D, TP1: each a fresh start of
   its deployment, since both together exceed the three instances this host runs);
+  within each E-P-D run, requests alternate between its proxy, which sends prefill and
+  decode a reference to the video's stored chunks (`video_embeds`: the grid under the
+  chunks' joined key), and a second proxy sending them the frames tagged with that key
+  (`feature_refs: pixels`, how every video went before references): "E-P-D frames";
 - one encoder vs two: 2E-PD (two encoders, one merged prefill+decode instance) behind
   two proxies, one spreading a video's chunks over both encoders, one sending them all
   to one (`fan_out: false`), A B A B on the same engines.
-The summary line gives `ratio_8` and `ratio_64` (mean E2EL of E-P-D over TP1) and
+The summary line gives `ratio_8` and `ratio_64` (mean E2EL of E-P-D over TP1),
+`frames_ratio_8` and `frames_ratio_64` (the same with the frames sent to prefill) and
 `split_gain_64` (mean E2EL with one encoder over two, 64 frames).
 
 Run it in a loopback-only network namespace (Mooncake listens everywhere):
@@ -105,9 +110,18 @@ def main() -> int:
         label = "E-P-D" if config == "e-p-d.yaml" else "TP1"
         print(f"== run {turn + 1}/4: {label}", flush=True)
         dep, launcher = deployed(config, work, model)
+        served = dep.launches[0].served_model_name
+        seed = 10_000 * (turn // 2 + 1)
         try:
-            add(label, runs(dep.proxy_url, dep.launches[0].served_model_name,
-                            args.requests, 10_000 * (turn // 2 + 1), label))
+            if label == "TP1":
+                add(label, runs(dep.proxy_url, served, args.requests, seed, label))
+                continue
+            with second_proxy(dep, "frames", 1, feature_refs="pixels") as frames_url:
+                for half in range(2):  # references and frames, alternated
+                    add(label, runs(dep.proxy_url, served, args.requests // 2,
+                                    seed + 100 * half, label))
+                    add("E-P-D frames", runs(frames_url, served, args.requests // 2,
+                                             seed + 100 * half + 50, "frames"))
         finally:
             launcher.stop()
     print("== 2E-PD: one encoder against two, behind two proxies", flush=True)
@@ -135,9 +149,13 @@ def main() -> int:
                   f"{statistics.fmean(e2el):>10.0f} {statistics.median(e2el):>9.0f}")
     ratio = {f: mean(results["E-P-D"][f], "e2el_ms") / mean(results["TP1"][f], "e2el_ms")
              for f in SHAPES}
+    frames_ratio = {f: mean(results["E-P-D frames"][f], "e2el_ms")
+                    / mean(results["TP1"][f], "e2el_ms") for f in SHAPES}
     split = (mean(results["2E-PD one encoder"][64], "e2el_ms")
              / mean(results["2E-PD two encoders"][64], "e2el_ms"))
-    print(f"summary: ratio_8={ratio[8]:.2f} ratio_64={ratio[64]:.2f} split_gain_64={split:.2f}")
+    print(f"summary: ratio_8={ratio[8]:.2f} ratio_64={ratio[64]:.2f} "
+          f"frames_ratio_8={frames_ratio[8]:.2f} frames_ratio_64={frames_ratio[64]:.2f} "
+          f"split_gain_64={split:.2f}")
     return 0
 
 

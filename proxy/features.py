@@ -10,7 +10,10 @@ decode nor preprocess the image. An engine that takes no such reference (vLLM 0.
 image but takes the feature from the store under that key rather than encoding it. A
 video is encoded in chunks of frames, each stored under its own key
 (protocols/feature_chunks.py); prefill and decode are sent its frames, with its chunks'
-keys (joined) in `vllm_xargs` for their connector. A prefill instance is told the keys
+keys (joined) in `vllm_xargs` for their connector, or, where the engine takes references
+and every chunk's encoder published its grid, a `video_embeds` reference: the video's
+grid (its chunks' frame patches added up) under its chunks' joined key, so prefill
+neither decodes nor preprocesses the frames. A prefill instance is told the keys
 ahead of the request (prefetch hints) so it can pull the features while the request is
 on its way.
 """
@@ -39,6 +42,9 @@ log = logging.getLogger("epd_serve.proxy.features")
 # After a failed attempt to open the MM Store (its server down, or not started yet), the
 # next is made no sooner than this; requests meanwhile go without the store.
 REOPEN_EVERY_S = 5.0
+
+# The placeholder metadata of a Qwen-VL video: [temporal patches, height, width] in patches.
+VIDEO_GRID = "video_grid_thw"
 
 # Request fields an encoder needs besides the images: they change the feature (or, the
 # salt, which requests may share what the encoder caches).
@@ -73,6 +79,7 @@ class EncodeItems:
         self.sizes = [float(item.pixels or 1) for item in images]
         self.keys: list[str] = list(self.image_keys)  # one per item the encoders compute
         self._video_chunks: list[list[str]] = []  # per video, its chunks' keys
+        self._video_positions = [(video.message, video.part) for video in parsed.videos]
         for video in parsed.videos:
             self._video_chunks.append(video.chunk_keys)
             for key, (start, end) in zip(video.chunk_keys, video.chunks):
@@ -148,19 +155,40 @@ class EncodeItems:
                  VIDEO_KEYS_ARG: self.video_keys()}
         return {**self.pixel_body, "vllm_xargs": xargs}
 
+    def video_placeholder(self, index: int) -> dict | None:
+        """Video `index`'s placeholder metadata, joined from what its chunks' encoders
+        published: the grid's temporal patches added up, the rest the same in every
+        chunk. None where a chunk has none, or metadata other than a grid (which this
+        cannot join): the video is then sent as frames."""
+        grids = []
+        for key in self._video_chunks[index]:
+            published = self.placeholders.get(key) or {}
+            grid = published.get(VIDEO_GRID)
+            if set(published) != {VIDEO_GRID} or not isinstance(grid, list) or len(grid) != 3:
+                return None
+            grids.append(grid)
+        if not grids or any(grid[1:] != grids[0][1:] for grid in grids):
+            return None
+        return {VIDEO_GRID: [sum(grid[0] for grid in grids), *grids[0][1:]]}
+
     @property
     def complete(self) -> bool:
-        """Every image can be sent as a reference: a video never is (prefill joins its
-        chunks' features under the video's key, and sizes the video from its frames)."""
-        return (bool(self.image_keys) and not self.has_video
-                and all(self.placeholders.get(k) for k in self.image_keys))
+        """Every image and video can be sent as a reference: the encoders published the
+        placeholder metadata of each."""
+        return bool(self.keys) and all(self.placeholders.get(k) for k in self.image_keys) \
+            and all(self.video_placeholder(i) for i in range(len(self._video_chunks)))
 
     def reference_body(self) -> dict:
-        """The request with every image replaced by a reference to its stored feature."""
-        return with_parts(self.pixel_body, {
+        """The request with every image and video replaced by a reference to its stored
+        feature (a video's: its chunks', joined, which the video's key names)."""
+        references = {
             position: {"type": "image_embeds", "image_embeds": self.placeholders[key],
                        "uuid": key}
-            for position, key in zip(self._positions, self.image_keys)})
+            for position, key in zip(self._positions, self.image_keys)}
+        for index, (position, key) in enumerate(zip(self._video_positions, self.video_keys())):
+            references[position] = {"type": "video_embeds",
+                                    "video_embeds": self.video_placeholder(index), "uuid": key}
+        return with_parts(self.keyed_body(), references)
 
 
 class FeatureDirectory:

@@ -5,8 +5,8 @@ Runs inside the proxy process (asyncio). routing.plan_stages decides the hops; t
 images and the videos' chunks of frames go to the encoders at once (encoding.py),
 which put their features in the MM Store; prefill is hinted to prefetch them, and
 prefill and decode get references instead of pixels (features.py), or, where their
-engine takes no reference (`feature_refs: pixels`) and for videos, the pixels tagged
-with the features' keys. A merged
+engine takes no reference (`feature_refs: pixels`) and for a video whose encoders
+published no grid, the pixels tagged with the features' keys. A merged
 prefill+decode instance answers directly; otherwise the deployment's KV hand-off
 (handoff/) runs prefill and decode. If prefill fails on a reference (its feature went
 missing), the request runs once more with the pixels: prefill recomputes (with the
@@ -208,7 +208,7 @@ class Pipeline:
             return Prepared({**pixel_body, "ec_transfer_params": work.ec_params})
         if req.fault == "drop-features" and self.config.fault_injection:
             await self.features.drop(work.keys)
-        if self.send_pixels or work.has_video:
+        if self.send_pixels or (work.has_video and not work.complete):
             # Each medium carries its key as uuid: the engine loads the stored feature
             # (a video's chunks, joined) and encodes only a medium whose feature it
             # cannot get, so there is nothing to send again.
@@ -218,7 +218,7 @@ class Pipeline:
             trip.images = "pixels"
             return Prepared(pixel_body)
         trip.images = "ref"
-        return Prepared(work.reference_body(), pixel_body)
+        return Prepared(work.reference_body(), work.keyed_body())
 
     async def _prefill_decode(self, req: Request, plan: StagePlan, prepared: Prepared,
                               trip: Trip, work: EncodeItems | None):

@@ -211,11 +211,20 @@ async def _kv_answer(kv: dict, spec: FakeSpec, kind: str, request_id: str | None
 
 def _published(parts: list[dict]) -> dict:
     """What an encoder publishes (`ec_transfer_params`), as vLLM's do: per media item
-    its placeholder metadata and index, keyed by its uuid (else a hash of the part)."""
+    its placeholder metadata and index, keyed by its uuid (else a hash of the part). A
+    video (a frame list) gets a Qwen-VL grid of one temporal patch per two frames."""
     media = [p for p in parts if p.get("type") in ENCODED_PARTS]
+
+    def metadata(part: dict) -> dict:
+        video = part.get("video_url")
+        if isinstance(video, dict) and isinstance(video.get("url"), str):
+            frames = len(video["url"].split(",")) - 1
+            return {"video_grid_thw": [-(-frames // 2), 4, 4]}
+        return {"image_grid_thw": [1, 4, 4]}
+
     return to_dict({
         p.get("uuid") or hashlib.sha256(json.dumps(p, sort_keys=True).encode()).hexdigest():
-        encoder.ItemParams(metadata={"image_grid_thw": [1, 4, 4]}, item_indices=[i])
+        encoder.ItemParams(metadata=metadata(p), item_indices=[i])
         for i, p in enumerate(media)})
 
 

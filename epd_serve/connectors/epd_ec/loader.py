@@ -135,9 +135,14 @@ class FeatureLoader:
         `wait_s` for it; None if it is not here by then (the read goes on) or the store
         has no such feature."""
         item = self.want(key)
-        if item.done.wait(wait_s) and item.result is not None:
-            return item
-        return None
+        if not item.done.wait(wait_s):
+            return None  # still reading: the copy stays for a request that comes later
+        if item.result is None:
+            with self._lock:
+                if self._features.get(key) is item:
+                    self._drop(key)  # forgotten: the next request asks the store again
+            return None
+        return item
 
     def _ask(self, key: str, now: float, hinted: bool) -> Feature | None:
         """A new read of `key` (None if one is here or under way already); a request's

@@ -78,15 +78,14 @@ def test_without_an_ask_first_has_cache_item_claims_a_copy_for_the_pass(store_sp
     ec.shutdown()
 
 
-def test_without_an_ask_first_a_feature_not_here_is_encoded_and_counted(store_spec):
-    store_feature(store_spec, "late")
+def test_without_an_ask_first_a_feature_the_store_lacks_is_encoded_and_counted(store_spec):
     ec = scheduler(store_spec)
-    req = request("c3", feature("late", pixels=True))
-    assert not ec.has_cache_item("late")  # no copy here: vLLM runs the encoder
+    req = request("c3", feature("never-stored", pixels=True))
+    assert not ec.has_cache_item("never-stored")  # asked, not there: vLLM runs the encoder
     ec.update_state_after_alloc(req, 0)
     assert ec.build_connector_meta(step()).loads == {}
     assert ec.recorder.take()["events"]["encoded_locally"] == 1
-    assert ec.loader._features == {}  # nothing read for nobody
+    assert ec.loader._features == {}  # the failed read forgotten: the next one asks again
     ec.shutdown()
 
 

@@ -167,7 +167,8 @@ def test_a_videos_chunks_are_spread_over_the_encoders_even_under_affinity():
 
 
 # -- through fake stages ---------------------------------------------------------------
-def test_a_video_is_encoded_in_chunks_and_prefill_is_named_them_joined(store_spec):
+def test_a_video_is_encoded_in_chunks_and_prefill_gets_a_reference_to_them_joined(
+        store_spec):
     url = video_data_url(make_video(10, 32, 32, seed=5))
     sent = decode_video(url, LIMITS).url
     chunks = video_chunk_keys("fake", sent)
@@ -176,7 +177,7 @@ def test_a_video_is_encoded_in_chunks_and_prefill_is_named_them_joined(store_spe
         resp = client.post("/v1/chat/completions", json=video_request(url))
         assert resp.status_code == 200, resp.text
         stages = resp.headers["x-epd-stages"]
-        assert stages.startswith("E=e0:") and stages.endswith("IMG=keyed"), stages
+        assert stages.startswith("E=e0:") and stages.endswith("IMG=ref"), stages
         encoded = apps["e0"].state.requests
         seen = [(p["uuid"], len(p["video_url"]["url"].split(",")) - 1)
                 for r in encoded for p in parts(r)]
@@ -185,10 +186,31 @@ def test_a_video_is_encoded_in_chunks_and_prefill_is_named_them_joined(store_spe
             assert r["body"]["vllm_xargs"][VIDEO_KEYS_ARG] == [p["uuid"] for p in parts(r)]
         for stage in ("p1", "d2"):
             (request,) = apps[stage].state.requests
-            assert parts(request)[0]["video_url"]["url"] == sent
+            # No frames: the video's grid (2 + 2 + 1 temporal patches, as each chunk's
+            # encoder published them) under its chunks' joined key.
+            assert parts(request)[0] == {"type": "video_embeds", "uuid": joined_key(chunks),
+                                         "video_embeds": {"video_grid_thw": [5, 4, 4]}}
             assert request["body"]["vllm_xargs"][VIDEO_KEYS_ARG] == [joined_key(chunks)]
         assert hints.poll(2000)
         assert msgspec.msgpack.decode(hints.recv()) == [joined_key(chunks)]
+
+
+def test_a_video_whose_chunks_published_no_grid_goes_to_prefill_as_frames(store_spec):
+    """Chunks stored without placeholder metadata (an encoder that published none):
+    nothing to make a reference of, so prefill gets the frames with the chunks' keys."""
+    url = video_data_url(make_video(6, 32, 32, seed=8))
+    sent = decode_video(url, LIMITS).url
+    chunks = video_chunk_keys("fake", sent)
+    with open_store(store_spec) as store:
+        for key in chunks:
+            store.put(key, np.zeros(64, np.uint8), FeatureMeta((4, 8), "bfloat16"))
+    with deployment(store_spec) as (client, apps, _):
+        resp = client.post("/v1/chat/completions", json=video_request(url))
+        assert resp.status_code == 200, resp.text
+        assert resp.headers["x-epd-stages"].endswith("IMG=keyed")
+        (request,) = apps["p1"].state.requests
+        assert parts(request)[0]["video_url"]["url"] == sent
+        assert request["body"]["vllm_xargs"][VIDEO_KEYS_ARG] == [joined_key(chunks)]
 
 
 def test_a_video_whose_chunks_the_store_holds_skips_the_encoder(store_spec):
