@@ -164,10 +164,18 @@ def main() -> None:
           f"spread={spread:.0%}")
 
 
+HOPS = ("E", "P", "D", "PD")
+ENGINE_PARTS = ("hop", "preprocess", "queue", "prefill", "decode")
+
+
 def part_order(part: str) -> tuple:
-    """Hops in request order (E, P, D, PD), each hop's row first, then its parts."""
+    """Hops in request order, each hop's row first, then the engine's phases in order,
+    the connectors' spans, what lies outside the engine; the whole request last."""
     stage, _, rest = part.partition(" ")
-    return ("EPD".find(stage[0]) if stage != "total" else 9, rest != "hop", rest)
+    hop = HOPS.index(stage) if stage in HOPS else len(HOPS)
+    if rest in ENGINE_PARTS:
+        return hop, ENGINE_PARTS.index(rest), rest
+    return hop, len(ENGINE_PARTS) + (rest == "outside engine"), rest
 
 
 def print_breakdown(names: list[str], timelines: dict, out: Path) -> None:
