@@ -157,9 +157,9 @@ class EncodeItems:
 
     def video_placeholder(self, index: int) -> dict | None:
         """Video `index`'s placeholder metadata, joined from what its chunks' encoders
-        published: the grid's temporal patches added up, the rest the same in every
-        chunk. None where a chunk has none, or metadata other than a grid (which this
-        cannot join): the video is then sent as frames."""
+        published: their grids, temporal patches added up (height and width the same in
+        every chunk). None where a chunk has none, or has metadata besides the grid
+        (which this cannot join): the video is then sent as frames."""
         grids = []
         for key in self._video_chunks[index]:
             published = self.placeholders.get(key) or {}

@@ -207,6 +207,9 @@ async def _send_whole(request: web.Request, response: web.Response,
             await response.write_eof()
     except TimeoutError:
         return _not_reading(request, write_timeout_s)
+    except ConnectionError:  # the client left while its answer was on its way
+        return ProxyError(499, "the client closed its connection before its answer was "
+                          "sent", reason="client_gone")
     return None
 
 

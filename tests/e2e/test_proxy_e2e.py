@@ -109,7 +109,8 @@ def test_a_videos_chunks_are_encoded_on_both_encoders_and_match_one_encoder(dep)
     split = post(dep, video_request(dep, url))
     assert split.status_code == 200, split.text
     stages = split.headers["x-epd-stages"]
-    assert "E=e0+e1:" in stages and stages.endswith("IMG=keyed"), stages
+    # The merged instance got a reference to the chunks' features, joined, not frames.
+    assert "E=e0+e1:" in stages and stages.endswith("IMG=ref"), stages
     after = counters(dep)
     # 32 frames: 8 chunks of 4, four on each encoder; the merged instance read them
     # all as one feature and encoded nothing itself.
