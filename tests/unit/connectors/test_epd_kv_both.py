@@ -245,13 +245,18 @@ def kv_both_worker(seed: int) -> tuple[EPDKVWorker, dict]:
     return worker, caches
 
 
-@pytest.fixture
-def two_workers(monkeypatch):
+def copying_link_workers(monkeypatch) -> None:
+    """Workers made after this run as rank 0 over a CopyingLink (both in this process)."""
     import vllm.distributed.parallel_state as parallel_state
 
     monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: 0)
     monkeypatch.setattr(kv_worker, "Link", CopyingLink)
     CopyingLink.made = []
+
+
+@pytest.fixture
+def two_workers(monkeypatch):
+    copying_link_workers(monkeypatch)
     made = [kv_both_worker(1), kv_both_worker(2)]
     yield made
     for worker, _ in made:

@@ -32,7 +32,6 @@ from vllm.v1.worker.gpu import kv_connector as v2_kv  # noqa: E402
 
 from epd_serve.connectors.epd_ec.connector import EPDECConnector  # noqa: E402
 from epd_serve.connectors.epd_ec.scheduler import ECStep  # noqa: E402
-from epd_serve.connectors.epd_kv import worker as kv_worker  # noqa: E402
 from epd_serve.connectors.epd_kv.connector import EPDKVConnector  # noqa: E402
 from epd_serve.connectors.epd_kv.messages import FinishedSend, RecvPlan  # noqa: E402
 from epd_serve.connectors.epd_kv.metadata import StepPlan  # noqa: E402
@@ -41,7 +40,14 @@ from epd_serve.mmstore import open_store  # noqa: E402
 from ...waiting import wait_for  # noqa: E402
 from .test_compat import compat_role, ec_connector, kv_config  # noqa: E402
 from .test_epd_ec import GRID, decided, feature, request  # noqa: E402
-from .test_epd_kv_both import BLOCK_SIZE, BLOCKS, LAYERS, CopyingLink, layer_name, send_chunk  # noqa: E402,E501
+from .test_epd_kv_both import (  # noqa: E402
+    BLOCK_SIZE,
+    BLOCKS,
+    LAYERS,
+    copying_link_workers,
+    layer_name,
+    send_chunk,
+)
 
 
 @pytest.fixture(scope="module")
@@ -83,11 +89,7 @@ def worker(role: str, seed: int, **settings) -> tuple[EPDKVConnector, dict]:
 
 @pytest.fixture
 def prefill_and_decode(monkeypatch):
-    import vllm.distributed.parallel_state as parallel_state
-
-    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: 0)
-    monkeypatch.setattr(kv_worker, "Link", CopyingLink)
-    CopyingLink.made = []
+    copying_link_workers(monkeypatch)
     # `whole`: prefill sends every layer in one write once the forward pass is over.
     made = [worker("kv_producer", 1, mode="whole"), worker("kv_consumer", 2)]
     yield made

@@ -195,15 +195,20 @@ def test_a_video_is_encoded_in_chunks_and_prefill_gets_a_reference_to_them_joine
         assert msgspec.msgpack.decode(hints.recv()) == [joined_key(chunks)]
 
 
+def store_chunks(store_spec, chunks: list[str]) -> None:
+    """Each chunk's feature in the store, with no placeholder metadata."""
+    with open_store(store_spec) as store:
+        for key in chunks:
+            store.put(key, np.zeros(64, np.uint8), FeatureMeta((4, 8), "bfloat16"))
+
+
 def test_a_video_whose_chunks_published_no_grid_goes_to_prefill_as_frames(store_spec):
     """Chunks stored without placeholder metadata (an encoder that published none):
     nothing to make a reference of, so prefill gets the frames with the chunks' keys."""
     url = video_data_url(make_video(6, 32, 32, seed=8))
     sent = decode_video(url, LIMITS).url
     chunks = video_chunk_keys("fake", sent)
-    with open_store(store_spec) as store:
-        for key in chunks:
-            store.put(key, np.zeros(64, np.uint8), FeatureMeta((4, 8), "bfloat16"))
+    store_chunks(store_spec, chunks)
     with deployment(store_spec) as (client, apps, _):
         resp = client.post("/v1/chat/completions", json=video_request(url))
         assert resp.status_code == 200, resp.text
@@ -216,9 +221,7 @@ def test_a_video_whose_chunks_published_no_grid_goes_to_prefill_as_frames(store_
 def test_a_video_whose_chunks_the_store_holds_skips_the_encoder(store_spec):
     url = video_data_url(make_video(6, 32, 32, seed=6))
     chunks = video_chunk_keys("fake", decode_video(url, LIMITS).url)
-    with open_store(store_spec) as store:
-        for key in chunks:
-            store.put(key, np.zeros(64, np.uint8), FeatureMeta((4, 8), "bfloat16"))
+    store_chunks(store_spec, chunks)
     with deployment(store_spec) as (client, apps, _):
         resp = client.post("/v1/chat/completions", json=video_request(url))
         assert resp.status_code == 200, resp.text
