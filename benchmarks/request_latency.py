@@ -133,11 +133,17 @@ def main() -> None:
     # timelines[deployment][kind]: every round's measured requests
     timelines: dict[str, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
     names = []
+    # Two deployments of the same notation (a change measured before/after: the same
+    # deployment with one setting changed) are told apart by their files' names.
+    notations = [schema.load(path)[0].deployment for path in args.configs]
+    labelled = notations[0] == notations[1]
     for rnd in range(args.rounds):
         for which, path in enumerate(args.configs):
             name, rows, traces = measure(path, overrides if which == 0 else {},
                                          args.requests, args.max_tokens,
                                          seed=1000 * (rnd + 1) + 100 * which)
+            if labelled:
+                name = schema.load(path)[0].name
             if name not in names:
                 names.append(name)
             for kind in KINDS:

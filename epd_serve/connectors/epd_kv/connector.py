@@ -45,6 +45,7 @@ class EPDKVConnector(KVConnectorBase_V1):
         self.worker = None
         self._load_errors: set[int] = set()  # blocks of failed receives, older vLLM
         self._writes_ended = False  # this step's forward_done ran (finish_forward)
+        self._idle_step = False  # this step computes nothing (settings.idle_step_wait_ms)
         if role == KVConnectorRole.SCHEDULER:
             if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) != 1:
                 raise ValueError("EPDKVConnector supports models with one KV cache group "
@@ -139,6 +140,8 @@ class EPDKVConnector(KVConnectorBase_V1):
     def bind_connector_metadata(self, connector_metadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         self._writes_ended = False
+        self._idle_step = isinstance(connector_metadata, StepPlan) \
+            and connector_metadata.num_tokens == 0
         # Before the forward pass: decode reserves at once, prefill plans its writes.
         if isinstance(connector_metadata, StepPlan):
             try:
@@ -185,13 +188,13 @@ class EPDKVConnector(KVConnectorBase_V1):
     # told (both end in the same recompute): vLLM 0.32+ takes them by request id;
     # older vLLM by their blocks, from get_block_ids_with_load_errors called next.
     def get_transfer_results(self, finished_req_ids):
-        results = self.worker.transfer_results(finished_req_ids)
+        results = self.worker.transfer_results(finished_req_ids, self._idle_step)
         return compat.KVConnectorTransferResults(finished_sending=results.sending,
                                                  finished_recving=results.recving,
                                                  failed_recving=results.failed)
 
     def get_finished(self, finished_req_ids):
-        results = self.worker.transfer_results(finished_req_ids)
+        results = self.worker.transfer_results(finished_req_ids, self._idle_step)
         self._load_errors |= results.failed_blocks
         return results.sending or None, results.recving or None
 

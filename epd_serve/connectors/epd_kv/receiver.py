@@ -89,7 +89,7 @@ class Peer:
 class Receiver:
     def __init__(self, layouts: list[LayerLayout], block_size: int, engine_id: str, rank: int,
                  te_session: str, settings: Settings, stats: "EPDKVStats",
-                 layout_name: str = ""):
+                 layout_name: str = "", results_ready: threading.Event | None = None):
         self.layouts = layouts
         self.layout_name = layout_name
         self.block_size = block_size
@@ -103,6 +103,8 @@ class Receiver:
         self._incoming: dict[str, Incoming] = {}  # by transfer id
         self._peers: dict[str, Peer] = {}
         self._ready: list[Incoming] = []
+        # Set when a result is ready (the worker's empty steps wait on it: worker.py).
+        self.results_ready = results_ready or threading.Event()
         self.channel = Channel("decode", self._on_message, self._on_tick)
 
     def start(self) -> None:
@@ -181,6 +183,11 @@ class Receiver:
         failed = {i.plan.request_id for i in ready if i.outcome == "failed"}
         reports = {i.plan.request_id: self._report(i) for i in ready}
         return finished, failed, reports
+
+    def awaiting(self) -> bool:
+        """Whether a reserved transfer has no result yet."""
+        with self._lock:
+            return any(not incoming.resolved for incoming in self._incoming.values())
 
     def _report(self, incoming: Incoming) -> dict[str, Any]:
         report: dict[str, Any] = {"transfer_id": incoming.plan.transfer_id,
@@ -404,3 +411,4 @@ class Receiver:
         if not incoming.resolved:
             incoming.resolved = True
             self._ready.append(incoming)
+            self.results_ready.set()

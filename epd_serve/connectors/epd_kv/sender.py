@@ -36,6 +36,7 @@ parts, starts and stops the threads, and passes the model's hooks on.
 from __future__ import annotations
 
 import os
+import threading
 import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -65,7 +66,8 @@ class Sender:
     def __init__(self, link: Link, layouts: list[LayerLayout], block_size: int, engine_id: str,
                  rank: int, settings: Settings, link_model: LinkModel, stats: "EPDKVStats",
                  mark: Marker | None = None, layout_name: str = "",
-                 on_device: Callable[[], None] | None = None):
+                 on_device: Callable[[], None] | None = None,
+                 results_ready: threading.Event | None = None):
         self.link = link
         self.mark = mark  # device events (events.marker); None on the CPU
         self.on_device = on_device  # makes the device a thread's own (events.device_setter)
@@ -76,7 +78,7 @@ class Sender:
         self.settings = settings
         self.stats = stats
         self.incarnation = f"{engine_id}:{rank}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        self.table = TransferTable(settings, stats, link_model)
+        self.table = TransferTable(settings, stats, link_model, results_ready)
         # The table's estimates, under the names the engine's checks and tests use.
         self.deadlines = self.table.deadlines
         self.link_cost = self.table.link_cost
@@ -123,6 +125,10 @@ class Sender:
     def take_finished(self) -> set[str]:
         """Requests whose blocks can be freed: finished, and nothing in flight."""
         return self.table.take_finished()
+
+    def awaiting(self) -> bool:
+        """Whether a finished request's blocks are still held for its writes."""
+        return self.table.awaiting()
 
     # -- the tests' views into the threads' state ------------------------------------
     @property

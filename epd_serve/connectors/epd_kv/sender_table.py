@@ -178,7 +178,8 @@ class TransferTable:
     """The transfers of one prefill worker and the operations on them. Methods below
     `attach` expect the caller to hold `lock`, except `take_finished`."""
 
-    def __init__(self, settings: Settings, stats: "EPDKVStats", link_model: LinkModel):
+    def __init__(self, settings: Settings, stats: "EPDKVStats", link_model: LinkModel,
+                 results_ready: threading.Event | None = None):
         self.settings = settings
         self.stats = stats
         self.lock = threading.Lock()
@@ -186,6 +187,9 @@ class TransferTable:
         self.ended = EndedTransfers(settings.reservation_timeout_s)
         self.in_flight: dict[int, InFlight] = {}  # by id(write)
         self.finished_sending: set[str] = set()
+        # Set when a request's blocks become free to go (the worker's empty steps wait
+        # on it: worker.py).
+        self.results_ready = results_ready or threading.Event()
         # Model's thread and side-channel thread -> submit thread -> completion thread.
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.writes: queue.Queue[InFlight | None] = queue.Queue()
@@ -254,6 +258,7 @@ class TransferTable:
             out.announced_failure = False
         if out.finished_at is not None and out.request_id is not None:
             self.finished_sending.add(out.request_id)
+            self.results_ready.set()
         elif not (out.request_id is None and out.outcome != "done"):
             return  # the request is still running here
         # Its blocks are released (finished), or it was a reservation nobody will use.
@@ -288,3 +293,8 @@ class TransferTable:
         with self.lock:
             done, self.finished_sending = self.finished_sending, set()
         return done
+
+    def awaiting(self) -> bool:
+        """Whether a finished request's blocks are still held for its writes."""
+        with self.lock:
+            return any(out.finished_at is not None for out in self.transfers.values())

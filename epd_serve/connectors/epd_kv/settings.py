@@ -75,6 +75,14 @@ class Settings:
     # before the reservation came at the reservation's answer.
     receive_timeout_base_s: float = 60.0
     receive_timeout_per_gb_s: float = 10.0
+    # An engine with nothing to compute but transfers to wait for still steps: vLLM runs
+    # an empty step about every millisecond, each a round trip between its engine core
+    # and its worker, until a transfer ends. On a host whose cores the engines share,
+    # that spinning takes most of a core from the very prefill decode waits for. So an
+    # empty step waits in the worker, at most this long, for one of its transfers to
+    # end (a request that arrives meanwhile is scheduled at most that much later, and
+    # only at an engine that had nothing else to run). 0: no wait, vLLM's own pace.
+    idle_step_wait_ms: float = 5.0
     fault_injection: bool = False  # honour kv_transfer_params["epd_fault"] (tests)
 
     @property
@@ -118,6 +126,9 @@ class Settings:
         if settings.first_connect_timeout_s < 0:
             raise ValueError(f"first_connect_timeout_s must be 0 or more, "
                              f"not {settings.first_connect_timeout_s!r}")
+        if not 0 <= settings.idle_step_wait_ms <= 100:
+            raise ValueError(f"idle_step_wait_ms must be 0-100, "
+                             f"not {settings.idle_step_wait_ms!r}")
         if settings.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, not {settings.role!r}")
         if settings.group_size != "auto" and (not isinstance(settings.group_size, int)

@@ -13,6 +13,7 @@ theirs. The two share nothing else but the stats they record into.
 from __future__ import annotations
 
 import logging
+import threading
 from typing import NamedTuple
 
 import numpy as np
@@ -84,6 +85,9 @@ class EPDKVWorker:
         self._receiving_blocks: dict[str, list[int]] = {}  # decode: request id -> blocks
         self.prompt_tail: PromptTailKeeper | None = None  # decode
         self._scratch = None  # prefill: the calibration buffer, registered
+        # Set by the sender or receiver thread when a transfer ends, for an empty step
+        # to wait on.
+        self.results_ready = threading.Event()
 
     def register_kv_caches(self, kv_caches: dict) -> None:
         from vllm.model_executor.models.utils import extract_layer_index
@@ -126,7 +130,7 @@ class EPDKVWorker:
                     model.overhead_s * 1e3, model.bytes_per_s / 1e9, self.settings.mode)
         self.sender = Sender(link, layouts, self.block_size, self.engine_id, self.rank,
                              self.settings, model, self.stats, marker(device),
-                             self.layout_name, device_setter(device))
+                             self.layout_name, device_setter(device), self.results_ready)
         self.sender.start(self.port + self.rank)
 
     def _start_receiver(self, layouts: list, layout: str) -> None:
@@ -137,7 +141,7 @@ class EPDKVWorker:
                     self.link.transport)
         self.receiver = Receiver(layouts, self.block_size, self.engine_id, self.rank,
                                  self.link.session_id, self.settings, self.stats,
-                                 self.layout_name)
+                                 self.layout_name, self.results_ready)
         self.receiver.start()
 
     # -- per step ---------------------------------------------------------------
@@ -170,9 +174,18 @@ class EPDKVWorker:
         if self.sender is not None:
             self.sender.fail_step(reason)
 
-    def transfer_results(self, finished_req_ids: set[str]) -> TransferResults:
+    def transfer_results(self, finished_req_ids: set[str], idle: bool = False
+                         ) -> TransferResults:
         """The sender's finished sends and the receiver's results, merged: a kv_both
-        worker has both, for different requests."""
+        worker has both, for different requests. After a step that computed nothing
+        (`idle`), first waits for a transfer to end where one is awaited, at most
+        `idle_step_wait_ms` (settings.py says why)."""
+        wait_s = self.settings.idle_step_wait_ms / 1e3
+        if idle and wait_s and not finished_req_ids and self._awaiting():
+            self.results_ready.wait(wait_s)
+        # Cleared before the results are taken: one that ends in between is taken now
+        # and only makes the next wait return at once.
+        self.results_ready.clear()
         sending = self.sender.take_finished() if self.sender is not None else set()
         if self.receiver is None:
             return TransferResults(sending, set(), set(), set())
@@ -189,6 +202,12 @@ class EPDKVWorker:
             if request_id in failed:
                 failed_blocks.update(blocks)
         return TransferResults(sending, finished, failed, failed_blocks)
+
+    def _awaiting(self) -> bool:
+        """Whether a transfer of this worker is still to end: a request's blocks held
+        for its writes (prefill), or KV still to land (decode)."""
+        return (self.sender is not None and self.sender.awaiting()) \
+            or (self.receiver is not None and self.receiver.awaiting())
 
     def take_reports(self) -> TransferReport | None:
         if not self._reports:

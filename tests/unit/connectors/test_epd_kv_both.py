@@ -8,7 +8,10 @@ and a stand-in transfer engine that copies the bytes."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -332,3 +335,44 @@ def test_two_kv_both_workers_prefill_for_each_other_in_the_same_steps(two_worker
     wait_for(freed, what="both prefill sides freed their blocks")
     stats = a.take_stats().data
     assert stats["received"] == [1] and len(stats["sent_bytes"]) == 1  # both sides' counts
+
+
+def test_an_empty_step_waits_for_a_transfer_to_end_and_only_then(two_workers):
+    """A step that computed nothing, at an engine waiting for KV (decode) or for its
+    writes to end (prefill), waits in the worker until a transfer ends rather than come
+    back at once and be stepped again (settings.idle_step_wait_ms); a step that computed
+    something, or an engine awaiting nothing, never waits."""
+    (a, _), (b, _) = two_workers
+    for worker in (a, b):  # long enough that only a transfer's end can end the wait
+        worker.settings = dataclasses.replace(worker.settings, idle_step_wait_ms=5000)
+    start = time.monotonic()
+    assert b.transfer_results(set(), idle=True).recving == set()  # nothing awaited
+    assert time.monotonic() - start < 2.5
+    prompt = 2 * BLOCK_SIZE
+    b.begin_step(StepPlan(recvs=[RecvPlan("b-decodes", "ab", "127.0.0.1", a.port, [9, 10], 0,
+                                          prompt)]))
+    wait_for(lambda: b.receiver._incoming["ab"].acked, what="prefill acknowledged")
+    start = time.monotonic()
+    assert b.transfer_results(set(), idle=False).recving == set()  # a step that computed
+    assert time.monotonic() - start < 2.5
+
+    def prefill_later() -> None:
+        time.sleep(0.2)
+        run_step(a, StepPlan(sends=[send_chunk("a-prefills", "ab", [1, 2], prompt)],
+                             num_tokens=prompt))
+
+    writer = threading.Thread(target=prefill_later)
+    writer.start()
+    start = time.monotonic()
+    results = b.transfer_results(set(), idle=True)
+    waited = time.monotonic() - start
+    writer.join()
+    # One empty step: it waited for the KV (the prefill started 0.2 s later) and came
+    # back with it, long before its wait's end.
+    assert results.recving == {"b-decodes"} and not results.failed
+    assert 0.15 < waited < 2.5
+    # Prefill's side: a finished request's blocks are freed once its writes end.
+    a.begin_step(StepPlan(finished_sends=[FinishedSend("a-prefills", "ab", False)]))
+    start = time.monotonic()
+    assert a.transfer_results(set(), idle=True).sending == {"a-prefills"}
+    assert time.monotonic() - start < 2.5

@@ -157,6 +157,9 @@ def test_settings_refuse_unknown_keys_and_bad_values():
         Settings.from_extra_config({"gid_index": 300})
     with pytest.raises(ValueError, match="role must be one of"):
         Settings.from_extra_config({"role": "producer"})
+    assert Settings.from_extra_config({"idle_step_wait_ms": 0}).idle_step_wait_ms == 0
+    with pytest.raises(ValueError, match="idle_step_wait_ms must be 0-100"):
+        Settings.from_extra_config({"idle_step_wait_ms": -1})
     # Timeouts are sized to the expected transfer time, with a floor.
     settings = Settings(transfer_timeout_floor_s=1.0, transfer_timeout_slack=20)
     assert settings.transfer_timeout_s(0.001) == 1.0
