@@ -99,6 +99,14 @@ class RoutingSettings(BaseModel):
         "the request whole to a decode instance, which computes the prompt itself "
         "(FALLBACK=P>D); with every decode (D) instance down, a prefill instance decodes "
         "it (FALLBACK=D>P). 'refuse' answers 503 until the stage is back.")
+    local_prefill_max_tokens: int = Field(
+        0, ge=0, description="Prompts of at most this many tokens (estimated from their "
+        "text and images) skip the KV hand-off: decode computes them itself (WHOLE=short "
+        "in x-epd-stages), as conditional disaggregation does elsewhere (NVIDIA Dynamo's "
+        "max_local_prefill_length). For a short prompt the hand-off (a second frontend, "
+        "the transfer, decode's wait for it) can cost more than its prefill; the price is "
+        "that decode's running requests share a step with that prefill. 0: every prompt "
+        "is prefilled by P.")
     metrics_interval_s: float = Field(1.0, gt=0, description="How often each engine's own "
                                       "/metrics (running, waiting, KV use) is read, of "
                                       "instances routing chooses among (a stage's only "

@@ -104,6 +104,7 @@ class Pipeline:
         self.metrics = upstream.metrics
         self.config = config
         self.stand_in = config.routing.handoff_fallback == "stand-in"
+        self.local_prefill_max_tokens = config.routing.local_prefill_max_tokens  # 0: off
         self.handoff = make_handoff(config.kv_protocol, upstream, config)
         self.encoder = Encoder(upstream, router, config.routing.encoder_batch,
                                config.routing.fan_out)
@@ -131,6 +132,11 @@ class Pipeline:
             # prompt KV then): decode does it alone, prefill is not asked for nothing.
             plan = dataclasses.replace(plan, final="D")
             trip.whole_prompt = parsed.whole_prompt
+        elif plan.final == "P+D" and 0 < self.local_prefill_max_tokens and \
+                tokens <= self.local_prefill_max_tokens:
+            # Short enough that decode computes it sooner than the hand-off would bring it.
+            plan = dataclasses.replace(plan, final="D")
+            trip.whole_prompt = "short"
         self._stood_in(trip, plan.stand_ins)
         prepared = await self._encode(req, plan, work, trip)
         # Requests whose images prefill encodes for want of an encoder: the work of an

@@ -26,7 +26,7 @@ import pytest
 from epd_serve.bench import waterfall as timeline_view
 from epd_serve.cli.demo import traced_request
 from epd_serve.instances.answers import ask_for_fingerprint, fingerprint_of_stream
-from epd_serve.instances.counters import parse_prometheus
+from epd_serve.instances.counters import parse_prometheus, snapshot
 from epd_serve.instances.payloads import chat_body, image_data_url, make_image
 from epd_serve.instances.videos import make_video, video_data_url
 from epd_serve.mmstore import FeatureMeta, open_store
@@ -34,6 +34,8 @@ from epd_serve.protocols.feature_chunks import joined_key
 from epd_serve.proxy.guards import Limits
 from epd_serve.proxy.tenancy import image_key, video_chunk_keys
 from epd_serve.proxy.video import decode_video
+from epd_serve.runtime.plan import proxy_config
+from epd_serve.testing.second_proxy import second_proxy
 
 from ..answers import assert_same_answer, fingerprint_of
 from ..waiting import wait_for
@@ -299,6 +301,40 @@ def test_greedy_answer_matches_the_monolithic_instance(dep, engine_is_023):
     # The feature is what the prompt attends to: a wrong or zero one would move the
     # log-probs (test_fingerprint shows this comparison sees another image's feature).
     assert_same_answer(split, alone)
+
+
+def test_a_short_prompt_is_computed_on_decode_and_answered_as_one_instance_answers_it(dep):
+    """routing.local_prefill_max_tokens, on a second proxy in front of the same engines:
+    a short text prompt and a short image prompt skip the hand-off. The image still goes
+    through E; decode computes each prompt itself (its counters: no KV received, nothing
+    asked of P) and answers as the prefill instance alone does (tokens, top-5 log-probs)."""
+    e, p, d = names(dep)
+    url_of = {l.name: l.url for l in dep.launches}
+    model = dep.launches[0].served_model_name
+    text = ask_for_fingerprint({**chat_body(model, "Short: decode computes it.",
+                                                  max_tokens=MAX_TOKENS), "temperature": 0})
+    routing = {**proxy_config(dep).routing.model_dump(), "local_prefill_max_tokens": 512}
+    with second_proxy(dep, "local-prefill", 15, routing=routing) as url, \
+            httpx.Client(timeout=300) as client:
+        for kind, body in (("text", text), ("image", image_body(dep, seed=531))):
+            before = {name: snapshot(url_of[name]) for name in (p, d)}
+            split = client.post(url + "/v1/chat/completions", json=body)
+            assert split.status_code == 200, split.text
+            stages = split.headers["x-epd-stages"]
+            assert f"D={d}:" in stages and "P=" not in stages and "WHOLE=short" in stages, \
+                (kind, stages)
+            assert stages.startswith(f"E={e}:") == (kind == "image"), (kind, stages)
+            prompt = split.json()["usage"]["prompt_tokens"]
+            wait_for(lambda: snapshot(url_of[d]).generated - before[d].generated >= MAX_TOKENS,
+                     what="decode's counters hold the answer")
+            after = {name: snapshot(url_of[name]) for name in (p, d)}
+            assert after[p].requests == before[p].requests, kind  # prefill never asked
+            assert after[d].prompt_local - before[d].prompt_local == prompt, kind
+            assert after[d].prompt_external_kv == before[d].prompt_external_kv, kind
+            # The prefill instance alone is a whole engine (an image's pixels untagged:
+            # it encodes the image itself).
+            alone = client.post(url_of[p] + "/v1/chat/completions", json=body)
+            assert_same_answer(split, alone, f"{kind} computed on decode")
 
 
 # -- several sequences in one request -----------------------------------------------------

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from epd_serve.instances.payloads import chat_body
+from epd_serve.instances.payloads import chat_body, image_data_url, make_image
 
 from .harness import deployment
 
@@ -82,6 +82,39 @@ def test_a_request_for_prompt_log_probs_is_computed_whole_on_decode(field):
         (sent,) = bodies(d, "d1", "/v1/completions")
     assert "kv_transfer_params" not in sent
     assert resp.headers["x-epd-stages"].endswith(f"WHOLE={next(iter(field))}")
+
+
+def test_a_prompt_under_the_local_prefill_limit_is_computed_whole_on_decode():
+    """routing.local_prefill_max_tokens: a short prompt skips the hand-off (decode
+    computes it), a longer one is prefilled by P as before; an image still goes through
+    E first. Tokens are estimated at 4 characters of text a token."""
+    short, long_ = "x" * 200, "x" * 600  # ~50 and ~150 tokens
+    with deployment(["E", "P", "D"], routing={"local_prefill_max_tokens": 100}) as d:
+        for prompt in (short, long_):
+            resp = d.client.post("/v1/chat/completions",
+                                 json=chat_body("fake", prompt, max_tokens=2))
+            assert resp.status_code == 200, resp.text
+            stages = resp.headers["x-epd-stages"]
+            assert ("WHOLE=short" in stages) == (prompt == short), stages
+        prefilled = bodies(d, "p1", "/v1/chat/completions")
+        decoded = bodies(d, "d2", "/v1/chat/completions")
+        assert [len(b["messages"][0]["content"]) for b in prefilled] == [len(long_)]
+        (whole,) = [b for b in decoded if "kv_transfer_params" not in b]
+        assert whole["messages"][0]["content"] == short
+        # A small image (16x16 px: under a token) with a short text: E, then decode alone.
+        resp = d.client.post("/v1/chat/completions", json=chat_body(
+            "fake", "hi", [image_data_url(make_image(16, 16, seed=3))], max_tokens=2))
+        assert resp.status_code == 200, resp.text
+        stages = resp.headers["x-epd-stages"]
+        assert stages.startswith("E=e0") and "P=" not in stages and "WHOLE=short" in stages
+        assert len(bodies(d, "p1", "/v1/chat/completions")) == 1  # still only the long one
+    # Off (0, the default): even a prompt estimated at no tokens (empty text) is
+    # prefilled by P.
+    with deployment(["P", "D"]) as d:
+        resp = d.client.post("/v1/chat/completions", json=chat_body("fake", "", max_tokens=2))
+        assert resp.status_code == 200, resp.text
+        assert "WHOLE" not in resp.headers["x-epd-stages"]
+        assert len(bodies(d, "p0", "/v1/chat/completions")) == 1
 
 
 @pytest.mark.parametrize("path", ["/v1/responses", "/v1/responses/resp_1"])
