@@ -34,10 +34,16 @@ Rates relative to direct: the best non-streamed closed-loop rate over the
 concurrencies, text and image, as a percentage of the direct (text) rate. Goals: p99
 added latency under 5 ms at 200 req/s; routed text rate >= 30% of direct, image >= 20%.
 
+Then the same proxied cells through benchmarks/floor_proxy.py (unless `--no-floor`): a
+proxy on the same stack that only forwards, with none of the proxy's checks or records;
+its numbers are what this host allows any proxy built this way, the floor under ours.
+
 Writes results/proxy/proxy_bench.json and proxy_bench.png (proxy_bench-<label>.* for a
 `--label` other than the default) and ends with one line:
   summary: p99_added_ms_at_200=<ms> text_rate_vs_direct=<pct> image_rate_vs_direct=<pct>
-(p99 added latency of the open-loop text run, in ms.)
+(p99 added latency of the open-loop text run, in ms), followed by the same three for the
+floor (floor_p99_added_ms_at_200=... floor_text_rate_vs_direct=...
+floor_image_rate_vs_direct=...).
 
     .venv/bin/python benchmarks/proxy_bench.py [--quick] [--label NAME]
         [--proxy-cmd "python -m epd_serve.proxy"] [--python PATH]
@@ -80,6 +86,7 @@ from epd_serve.instances.payloads import chat_body, image_data_url, make_image
 
 REPO = Path(__file__).resolve().parents[1]
 OUT_DIR = REPO / "results" / "proxy"
+FLOOR_PROXY = Path(__file__).resolve().with_name("floor_proxy.py")
 DEFAULT_LABEL = "current"
 MODEL = "fake"
 MAX_TOKENS = 4
@@ -126,6 +133,18 @@ class Children:
         path = self.log_dir / f"{name}.log"
         text = path.read_text(errors="replace") if path.exists() else ""
         return "\n".join(text.splitlines()[-lines:])
+
+    def stop(self, name: str) -> None:
+        """Stop one of them (SIGINT, then SIGKILL after 10 s) and forget it."""
+        proc = self.procs.pop(name)
+        with contextlib.suppress(OSError):
+            os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(OSError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=5)
 
     def stop_all(self) -> None:
         for proc in self.procs.values():
@@ -350,6 +369,15 @@ def plot(result: dict, path: Path) -> None:
             ax_rate.plot(conc, [c["rate"] for c in cells], style, label=label)
             ax_lat.plot(conc, [c["added_ms"]["p99"] or np.nan for c in cells], style,
                         label=f"{label} p99")
+    if result["floor"] is not None:  # what the stack allows: plain answers only
+        for path_name, color in (("text", "0.45"), ("image", "0.7")):
+            cells = [c for c in result["floor"]["proxied"]
+                     if c["path"] == path_name and not c["stream"]]
+            conc = [c["concurrency"] for c in cells]
+            ax_rate.plot(conc, [c["rate"] for c in cells], "--^", color=color, lw=0.9,
+                         label=f"floor {path_name}")
+            ax_lat.plot(conc, [c["added_ms"]["p99"] or np.nan for c in cells], "--^",
+                        color=color, lw=0.9, label=f"floor {path_name} p99")
     for o in result["open_loop"]:
         if o["added_ms"]["p99"] is not None:
             ax_lat.axhline(o["added_ms"]["p99"], lw=0.8, ls="-.",
@@ -423,6 +451,8 @@ def main() -> int:
                         help="command that runs one fake instance, given --port N --name X "
                              "after it (default: '<python> -m epd_serve.testing.fake_server "
                              "--forget-requests')")
+    parser.add_argument("--no-floor", dest="floor", action="store_false",
+                        help="skip the floor: the same cells through benchmarks/floor_proxy.py")
     parser.add_argument("--out-dir", type=Path, default=OUT_DIR)
     args = parser.parse_args()
     seconds = args.seconds or (1.5 if args.quick else 4.0)
@@ -461,9 +491,15 @@ def main() -> int:
     console.print(f"wrote {json_path.relative_to(REPO) if json_path.is_relative_to(REPO) else json_path}"
                   f" and {png_path.name}")
     s = result["summary"]
-    print(f"summary: p99_added_ms_at_200={fmt(s['p99_added_ms_at_200'], 1)} "
-          f"text_rate_vs_direct={fmt(s['text_rate_vs_direct'], 1)} "
-          f"image_rate_vs_direct={fmt(s['image_rate_vs_direct'], 1)}")
+    line = (f"summary: p99_added_ms_at_200={fmt(s['p99_added_ms_at_200'], 1)} "
+            f"text_rate_vs_direct={fmt(s['text_rate_vs_direct'], 1)} "
+            f"image_rate_vs_direct={fmt(s['image_rate_vs_direct'], 1)}")
+    if result["floor"] is not None:
+        f = result["floor"]["summary"]
+        line += (f" floor_p99_added_ms_at_200={fmt(f['p99_added_ms_at_200'], 1)} "
+                 f"floor_text_rate_vs_direct={fmt(f['text_rate_vs_direct'], 1)} "
+                 f"floor_image_rate_vs_direct={fmt(f['image_rate_vs_direct'], 1)}")
+    print(line)
     return 0
 
 
@@ -518,23 +554,50 @@ def measure(args, children: Children, work: Path, proxy_argv: list[str], seconds
             total += (hop_ms[kind][mode] or 0.0) / 1e3
         return total
 
-    # the proxy
-    pport = free_port()
-    config = proxy_config(pport, fakes)
-    config_path = work / "proxy.json"
-    config_path.write_text(json.dumps(config, indent=2))
-    proxy = children.start("proxy", [*proxy_argv, "--config", str(config_path)])
-    proxy_url = f"http://127.0.0.1:{pport}"
-    wait_healthy(proxy_url, proxy, children, "proxy", want_ok=True)
-    cpu = CpuMeter(proxy.pid)
-    console.print(f"proxy up on {pport}: {' '.join(proxy_argv)}")
+    def run_proxy(name: str, argv: list[str]) -> dict:
+        port = free_port()
+        config = proxy_config(port, fakes)
+        config_path = work / f"{name}.json"
+        config_path.write_text(json.dumps(config, indent=2))
+        proc = children.start(name, [*argv, "--config", str(config_path)])
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, proc, children, name, want_ok=True)
+        console.print(f"{name} up on {port}: {' '.join(argv)}")
+        try:
+            return measure_proxy(name, url, CpuMeter(proc.pid), bodies, hop_sum_s, args,
+                                 warmup, seconds, open_seconds, concurrencies, direct_rate)
+        finally:
+            children.stop(name)
 
+    ours = run_proxy("proxy", proxy_argv)
+    floor = (run_proxy("floor", [args.python, str(FLOOR_PROXY)])
+             if args.floor else None)
+    return {
+        "label": args.label,
+        "proxy_cmd": proxy_argv,
+        "fake_cmd": fake_argv,
+        "cpus": os.cpu_count(),
+        "load_avg_1min": {"start": round(load_start, 2), "end": round(os.getloadavg()[0], 2)},
+        "settings": {"seconds": seconds, "warmup_s": warmup, "open_seconds": open_seconds,
+                     "open_rate": args.open_rate, "concurrency": concurrencies,
+                     "max_tokens": MAX_TOKENS, "image": "64x64 JPEG data URL"},
+        "direct": {"rate": direct_rate, "closed_loop": direct_cells, "hop_p50_ms": hop_ms},
+        **ours,
+        "floor": floor,
+    }
+
+
+def measure_proxy(name: str, url: str, cpu: CpuMeter, bodies: dict, hop_sum_s, args,
+                  warmup: float, seconds: float, open_seconds: float,
+                  concurrencies: list[int], direct_rate: float) -> dict:
+    """Every proxied cell through the proxy at `url`: closed loop per path, stream mode
+    and concurrency, then the open loop per path; and the summary of them."""
     proxied = []
     for kind in ("text", "image"):
         for stream in (False, True):
             for c in concurrencies:
                 cpu0 = cpu.seconds()
-                out = run_loop(closed_loop(proxy_url + CHAT, bodies[kind, stream], stream, c,
+                out = run_loop(closed_loop(url + CHAT, bodies[kind, stream], stream, c,
                                            warmup, seconds))
                 cpu_s = cpu.seconds() - cpu0
                 cell = {"path": kind, "stream": stream, "concurrency": c,
@@ -546,7 +609,7 @@ def measure(args, children: Children, work: Path, proxy_argv: list[str], seconds
                         "proxy_cpu_util": round(cpu_s / (warmup + seconds), 2)}
                 proxied.append(cell)
                 console.print(
-                    f"proxy {kind:5} {'stream' if stream else 'plain':6} c={c:<3} "
+                    f"{name} {kind:5} {'stream' if stream else 'plain':6} c={c:<3} "
                     f"{cell['rate']:8.1f} req/s  added p50 {fmt(cell['added_ms']['p50'])} "
                     f"p99 {fmt(cell['added_ms']['p99'])} ms  cpu "
                     f"{fmt(cell['proxy_cpu_ms_per_req'])} ms/req  errors {cell['errors']}")
@@ -554,7 +617,7 @@ def measure(args, children: Children, work: Path, proxy_argv: list[str], seconds
     open_cells = []
     for kind in ("text", "image"):
         cpu0 = cpu.seconds()
-        out = run_loop(open_loop(proxy_url + CHAT, bodies[kind, False], False, args.open_rate,
+        out = run_loop(open_loop(url + CHAT, bodies[kind, False], False, args.open_rate,
                                  warmup, open_seconds))
         cpu_s = cpu.seconds() - cpu0
         lags = np.asarray(out.send_lags)
@@ -565,9 +628,9 @@ def measure(args, children: Children, work: Path, proxy_argv: list[str], seconds
                 "proxy_cpu_ms_per_req": (round(cpu_s * 1e3 / out.completed_all, 3)
                                          if out.completed_all else None)}
         open_cells.append(cell)
-        console.print(f"open loop {kind:5} {args.open_rate:.0f}/s  {cell['rate']:8.1f} req/s  "
-                      f"added p50 {fmt(cell['added_ms']['p50'])} p99 "
-                      f"{fmt(cell['added_ms']['p99'])} ms  send lag p99 "
+        console.print(f"{name} open loop {kind:5} {args.open_rate:.0f}/s  "
+                      f"{cell['rate']:8.1f} req/s  added p50 {fmt(cell['added_ms']['p50'])} "
+                      f"p99 {fmt(cell['added_ms']['p99'])} ms  send lag p99 "
                       f"{fmt(cell['send_lag_ms_p99'])} ms  errors {cell['errors']}")
 
     def best_rate(kind: str) -> float:
@@ -579,16 +642,6 @@ def measure(args, children: Children, work: Path, proxy_argv: list[str], seconds
 
     text_open = next(c for c in open_cells if c["path"] == "text")
     return {
-        "label": args.label,
-        "proxy_cmd": proxy_argv,
-        "fake_cmd": fake_argv,
-        "cpus": os.cpu_count(),
-        "load_avg_1min": {"start": round(load_start, 2), "end": round(os.getloadavg()[0], 2)},
-        "settings": {"seconds": seconds, "warmup_s": warmup, "open_seconds": open_seconds,
-                     "open_rate": args.open_rate, "concurrency": concurrencies,
-                     "max_tokens": MAX_TOKENS, "image": "64x64 JPEG data URL"},
-        "proxy_config": config,
-        "direct": {"rate": direct_rate, "closed_loop": direct_cells, "hop_p50_ms": hop_ms},
         "proxied": proxied,
         "open_loop": open_cells,
         "summary": {
@@ -608,42 +661,44 @@ def measure(args, children: Children, work: Path, proxy_argv: list[str], seconds
 def report(result: dict) -> None:
     table = Table(title=f"proxy overhead ({result['label']}): direct rate "
                         f"{result['direct']['rate']:.0f} req/s; added = latency - "
-                        "direct c=1 hop medians")
-    for col in ("path", "stream", "conc", "req/s", "% direct", "lat p50", "lat p99",
+                        "direct c=1 hop medians; floor = benchmarks/floor_proxy.py")
+    for col in ("via", "path", "stream", "conc", "req/s", "% direct", "lat p50", "lat p99",
                 "added p50", "added p99", "proxy CPU ms/req", "errors"):
-        table.add_column(col, justify="left" if col in ("path", "stream") else "right")
+        table.add_column(col, justify="left" if col in ("via", "path", "stream") else "right")
     direct_rate = result["direct"]["rate"] or float("nan")
     for c in result["direct"]["closed_loop"]:
-        table.add_row("direct", "no", str(c["concurrency"]), f"{c['rate']:.1f}",
+        table.add_row("direct", "text", "no", str(c["concurrency"]), f"{c['rate']:.1f}",
                       f"{c['rate'] / direct_rate * 100:.1f}", fmt(c["latency_ms"]["p50"]),
                       fmt(c["latency_ms"]["p99"]), "", "", "", str(c["errors"]))
-    for c in result["proxied"]:
-        table.add_row(c["path"], "yes" if c["stream"] else "no", str(c["concurrency"]),
-                      f"{c['rate']:.1f}", f"{c['rate'] / direct_rate * 100:.1f}",
-                      fmt(c["latency_ms"]["p50"]), fmt(c["latency_ms"]["p99"]),
-                      fmt(c["added_ms"]["p50"]), fmt(c["added_ms"]["p99"]),
-                      fmt(c["proxy_cpu_ms_per_req"]), str(c["errors"]))
-    for c in result["open_loop"]:
-        table.add_row(c["path"], "no", f"open {c['target_rate']:.0f}/s", f"{c['rate']:.1f}",
-                      f"{c['rate'] / direct_rate * 100:.1f}",
-                      fmt(c["latency_ms"]["p50"]), fmt(c["latency_ms"]["p99"]),
-                      fmt(c["added_ms"]["p50"]), fmt(c["added_ms"]["p99"]),
-                      fmt(c["proxy_cpu_ms_per_req"]), str(c["errors"]))
+    runs = [("proxy", result)] + ([("floor", result["floor"])] if result["floor"] else [])
+    for via, run in runs:
+        for c in run["proxied"] + run["open_loop"]:
+            conc = (f"open {c['target_rate']:.0f}/s" if "target_rate" in c
+                    else str(c["concurrency"]))
+            table.add_row(via, c["path"], "yes" if c["stream"] else "no", conc,
+                          f"{c['rate']:.1f}", f"{c['rate'] / direct_rate * 100:.1f}",
+                          fmt(c["latency_ms"]["p50"]), fmt(c["latency_ms"]["p99"]),
+                          fmt(c["added_ms"]["p50"]), fmt(c["added_ms"]["p99"]),
+                          fmt(c["proxy_cpu_ms_per_req"]), str(c["errors"]))
     console.print(table)
     hop = result["direct"]["hop_p50_ms"]
     console.print("direct hop medians (ms): " + ", ".join(
         f"{k} {m} {fmt(v, 3)}" for k, modes in hop.items() for m, v in modes.items()))
-    for c in result["proxied"] + result["open_loop"]:
-        if c["errors"]:
-            console.print(f"errors in {c['path']} {'stream' if c['stream'] else 'plain'} "
-                          f"{c.get('concurrency', 'open')}: {c['error_kinds']}")
-    s = result["summary"]
-    goals = s["goals"]
-    console.print(
-        f"goals: p99 added at 200/s {fmt(s['p99_added_ms_at_200'], 1)} ms "
-        f"(< {goals['p99_added_ms_at_200']:.0f}), text {fmt(s['text_rate_vs_direct'], 1)}% "
-        f"(>= {goals['text_rate_vs_direct']:.0f}), image {fmt(s['image_rate_vs_direct'], 1)}% "
-        f"(>= {goals['image_rate_vs_direct']:.0f}) of direct")
+    for via, run in runs:
+        for c in run["proxied"] + run["open_loop"]:
+            if c["errors"]:
+                console.print(f"errors via {via} in {c['path']} "
+                              f"{'stream' if c['stream'] else 'plain'} "
+                              f"{c.get('concurrency', 'open')}: {c['error_kinds']}")
+    goals = result["summary"]["goals"]
+    for via, run in runs:
+        s = run["summary"]
+        console.print(
+            f"{'goals' if via == 'proxy' else 'floor'}: p99 added at 200/s "
+            f"{fmt(s['p99_added_ms_at_200'], 1)} ms (< {goals['p99_added_ms_at_200']:.0f}), "
+            f"text {fmt(s['text_rate_vs_direct'], 1)}% (>= {goals['text_rate_vs_direct']:.0f}), "
+            f"image {fmt(s['image_rate_vs_direct'], 1)}% "
+            f"(>= {goals['image_rate_vs_direct']:.0f}) of direct")
 
 
 if __name__ == "__main__":

@@ -254,3 +254,53 @@ def test_a_busy_engine_answers_the_one_token_check_and_is_waited_for():
             fake.hold = False
             assert pending.result(GUARD_S).status_code == 200
         assert status(d)["d1"]["healthy"] and not status(d)["d1"]["core_hung"]
+
+
+def test_a_wait_past_its_deadline_asks_for_liveness_and_only_a_failed_check_ends_it():
+    """Upstream.patiently: each deadline passed asks the instance once more while the
+    answer is still awaited; a failed check ends the wait with Hung (the caller's task
+    not left cancelled); a client's own cancellation during a check stays a
+    cancellation, and the check's verdict then reaches no one."""
+    import asyncio
+
+    from epd_serve.proxy.upstream import Hung, Upstream
+
+    class Checks:
+        def __init__(self, verdicts, takes_s=0.01):
+            self.verdicts, self.takes_s, self.asked = list(verdicts), takes_s, 0
+
+        async def still_alive(self, inst, silent_s, what):
+            self.asked += 1
+            await asyncio.sleep(self.takes_s)
+            if not self.verdicts.pop(0):
+                raise Hung(f"sent no {what} within {silent_s:g} s")
+
+    async def answer_after(seconds):
+        await asyncio.sleep(seconds)
+        return "answer"
+
+    async def alive_twice_then_answers():
+        checks = Checks([True, True])  # asked at 0.2 s and 0.41 s; the next would be 0.62
+        got = await Upstream.patiently(checks, None, answer_after(0.5), 0.2, "answer")
+        return got, checks.asked
+
+    async def found_hung():
+        checks = Checks([True, False])
+        with pytest.raises(Hung, match="sent no answer within 0.05 s"):
+            await Upstream.patiently(checks, None, answer_after(60), 0.05, "answer")
+        return checks.asked, asyncio.current_task().cancelling()
+
+    async def client_leaves_during_a_check():
+        checks = Checks([False], takes_s=0.3)
+        waiting = asyncio.ensure_future(
+            Upstream.patiently(checks, None, answer_after(60), 0.05, "answer"))
+        await asyncio.sleep(0.2)  # the check has begun
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        await asyncio.sleep(0.3)  # the check would have ended by now: nothing raised
+        return checks.asked
+
+    assert asyncio.run(alive_twice_then_answers()) == ("answer", 2)
+    assert asyncio.run(found_hung()) == (2, 0)
+    assert asyncio.run(client_leaves_during_a_check()) == 1
