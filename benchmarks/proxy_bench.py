@@ -564,8 +564,9 @@ def measure(args, children: Children, work: Path, proxy_argv: list[str], seconds
         wait_healthy(url, proc, children, name, want_ok=True)
         console.print(f"{name} up on {port}: {' '.join(argv)}")
         try:
-            return measure_proxy(name, url, CpuMeter(proc.pid), bodies, hop_sum_s, args,
-                                 warmup, seconds, open_seconds, concurrencies, direct_rate)
+            return {"proxy_config": config, **measure_proxy(
+                name, url, CpuMeter(proc.pid), bodies, hop_sum_s, args, warmup, seconds,
+                open_seconds, concurrencies, direct_rate)}
         finally:
             children.stop(name)
 
