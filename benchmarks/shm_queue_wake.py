@@ -1,21 +1,24 @@
 """How fast a reader of vLLM's shared-memory queue wakes for a message: vLLM's spin,
-against our naps (backends/cpu/idle_wait.py), on an idle host and with the cores busy.
+against the CPU plugin's naps (backends/cpu/idle_wait.py), with and without its fix for
+dropped notifications, on an idle host and beside busy neighbours.
 
-Two processes play an engine step in a loop, as vLLM's engine core and worker do over
-two MessageQueues: the "core" takes 1 ms, enqueues a step; the "worker" dequeues it,
-takes 5 ms, enqueues its answer, which the core dequeues. What a step costs beyond
-those 6 ms is the queues' (both directions' wake-ups); median, p90 and max over
-`--steps`, for each way of waiting:
+A writer process sends messages in pairs, the second 0.3 ms after the first, as vLLM
+0.32's engine core sends a step (the model run, then the sampling), and rests 10 ms
+between pairs; the reader process takes the first, then waits for the second. The gap
+between the two reads is what the reader paid to wake for the second: about 0.3 ms when
+it woke at once. Median, p90 and max over `--pairs`, for each way of waiting:
 - `spin`: vLLM's own wait (sched_yield for 1 s after every read);
-- `nap1`, `nap50`: our nap on the writer's notification, at most 1 / 50 ms at a time.
-A nap that ends on the notification costs a wake-up; one whose notification never came
-costs up to the whole nap, which `nap50` makes plain (tens of ms a step).
+- `nap1`, `nap50`: the plugin's: readers nap on the writer's notification, at most 1 /
+  50 ms at a time, and writers drop none;
+- `nap1-drops`, `nap50-drops`: the same naps with vLLM's own notify, which drops a
+  notification sent within about a millisecond of the previous one: the reader then
+  naps to the end (up to the next pair's notification, 10 ms later, with 50 ms naps).
 With `--busy N`, N processes spin on the cores meanwhile (a shared host's neighbours).
 
-    .venv/bin/python benchmarks/shm_queue_wake.py [--steps 100] [--busy 0,2]
+    .venv/bin/python benchmarks/shm_queue_wake.py [--pairs 60] [--busy 0,2]
 
 Ends with one line per load:
-  summary: busy=<N> spin_ms=<median> nap1_ms=<median> nap50_ms=<median>
+  summary: busy=<N> spin_ms=<median gap> nap1_ms=<...> nap50_ms=<...> ...
 """
 
 from __future__ import annotations
@@ -25,76 +28,84 @@ import multiprocessing as mp
 import statistics
 import time
 
-CORE_MS, WORKER_MS = 1.0, 5.0
-WAYS = ("spin", "nap1", "nap50")
+SECOND_AFTER_MS, REST_MS = 0.3, 10.0
+WAYS = ("spin", "nap1", "nap50", "nap1-drops", "nap50-drops")
 
 
 def wait_as(way: str) -> None:
-    """Make this process's queue readers wait `way` (vLLM's spin is its default)."""
+    """Make this process's queues wait `way` (vLLM's spin is its default)."""
     if way.startswith("nap"):
         from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
 
-        from epd_serve.backends.cpu.idle_wait import nap_instead_of_spin
+        from epd_serve.backends.cpu.idle_wait import nap_instead_of_spin, notify_without_drops
 
-        nap_instead_of_spin(SpinCondition, int(way[3:]))
+        nap, _, drops = way[3:].partition("-")
+        nap_instead_of_spin(SpinCondition, int(nap))
+        if not drops:
+            notify_without_drops(SpinCondition)
 
 
 def compute(ms: float) -> None:
-    """Hold the CPU for `ms`, as a step's work would (a sleep would free the core)."""
+    """Hold the CPU for `ms` (a sleep would free the core)."""
     end = time.perf_counter() + ms / 1e3
     while time.perf_counter() < end:
         pass
 
 
-def worker(steps_handle, answers_to, way: str, steps: int) -> None:
+def reader(handle, way: str, pairs: int, results) -> None:
     from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
 
     wait_as(way)
-    step_queue = MessageQueue.create_from_handle(steps_handle, 0)
-    answer_queue = MessageQueue(1, 1)
-    answers_to.put(answer_queue.export_handle())
-    step_queue.wait_until_ready()
-    answer_queue.wait_until_ready()
-    for _ in range(steps + 1):  # one to start with
-        step_queue.dequeue()
-        compute(WORKER_MS)
-        answer_queue.enqueue(b"answer")
+    queue = MessageQueue.create_from_handle(handle, 0)
+    queue.wait_until_ready()
+    gaps = []
+    for _ in range(pairs):
+        queue.dequeue()
+        first = time.perf_counter()
+        queue.dequeue()
+        gaps.append((time.perf_counter() - first) * 1e3)
+    results.send(gaps)
+
+
+def writer(way: str, pairs: int, results) -> None:
+    """Sends the pairs to a reader of its own (each way in fresh processes: a patch
+    stays for the life of the process that made it)."""
+    from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+
+    wait_as(way)
+    ctx = mp.get_context("spawn")
+    queue = MessageQueue(1, 1)
+    proc = ctx.Process(target=reader, args=(queue.export_handle(), way, pairs, results))
+    proc.start()
+    queue.wait_until_ready()
+    time.sleep(0.5)  # the reader's subscription reaches the writer
+    for _ in range(pairs):
+        queue.enqueue(b"run the model")
+        compute(SECOND_AFTER_MS)
+        queue.enqueue(b"sample")
+        time.sleep(REST_MS / 1e3)
+    proc.join(timeout=60)
+
+
+def gaps_ms(way: str, pairs: int) -> list[float]:
+    """Milliseconds from taking each pair's first message to taking its second."""
+    ctx = mp.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    proc = ctx.Process(target=writer, args=(way, pairs, theirs))
+    proc.start()
+    gaps = ours.recv()
+    proc.join(timeout=60)
+    return gaps
 
 
 def neighbour(seconds: float) -> None:
     compute(seconds * 1e3)
 
 
-def overheads(way: str, steps: int) -> list[float]:
-    """Milliseconds each step took beyond its 6 ms of work."""
-    from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
-
-    wait_as(way)
-    ctx = mp.get_context("spawn")
-    step_queue = MessageQueue(1, 1)
-    handles = ctx.Queue()
-    proc = ctx.Process(target=worker, args=(step_queue.export_handle(), handles, way, steps))
-    proc.start()
-    answer_queue = MessageQueue.create_from_handle(handles.get(timeout=120), 0)
-    step_queue.wait_until_ready()
-    answer_queue.wait_until_ready()
-    step_queue.enqueue(b"start")
-    answer_queue.dequeue()
-    out = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        compute(CORE_MS)
-        step_queue.enqueue(b"step")
-        answer_queue.dequeue()
-        out.append((time.perf_counter() - start) * 1e3 - CORE_MS - WORKER_MS)
-    proc.join(timeout=60)
-    return out
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--pairs", type=int, default=60)
     parser.add_argument("--busy", default="0,2", help="neighbour processes per load, "
                         "comma-separated")
     args = parser.parse_args()
@@ -102,20 +113,20 @@ def main() -> None:
     for busy in (int(n) for n in args.busy.split(",")):
         medians = {}
         for way in WAYS:
-            # Each way gets its own neighbours, for about as long as its steps take.
-            neighbours = [ctx.Process(target=neighbour, args=(args.steps * 0.02 + 10,))
+            # Each way gets its own neighbours, for about as long as its pairs take.
+            neighbours = [ctx.Process(target=neighbour, args=(args.pairs * 0.02 + 10,))
                           for _ in range(busy)]
             for proc in neighbours:
                 proc.start()
             try:
-                steps = sorted(overheads(way, args.steps))
+                gaps = sorted(gaps_ms(way, args.pairs))
             finally:
                 for proc in neighbours:
                     proc.terminate()
                     proc.join()
-            medians[way] = statistics.median(steps)
-            print(f"busy={busy} {way:6} step overhead median {medians[way]:.2f} ms  "
-                  f"p90 {steps[int(0.9 * len(steps))]:.2f}  max {steps[-1]:.1f}", flush=True)
+            medians[way] = statistics.median(gaps)
+            print(f"busy={busy} {way:11} first -> second read: median {medians[way]:.2f} ms"
+                  f"  p90 {gaps[int(0.9 * len(gaps))]:.2f}  max {gaps[-1]:.1f}", flush=True)
         print(f"summary: busy={busy} " + " ".join(f"{way}_ms={medians[way]:.2f}"
                                                   for way in WAYS), flush=True)
 

@@ -6,16 +6,25 @@ every read, before it sleeps on the writer's notification socket. With every ins
 of a deployment on one small host, the idle instances' workers spin for a second after
 each request they served, on the cores the busy instance computes on: measured on E-P-D
 with 2 cores, each idle worker burned ~30% of a core for that second and a 16-token
-decode took 70-320 ms. Sleeping on the socket at once is no cure: notifications get
-lost (the queue relies on the spin while busy; idle readers re-check every 5 s), and a
-decode of 16 tokens took 75 s. So within the busy window a reader here naps on the
-socket for at most `nap` milliseconds instead of yielding in a loop: woken at once by a
+decode took 70-320 ms. So within the busy window a reader here naps on the socket for
+at most `nap` milliseconds instead of yielding in a loop: woken at once by a
 notification that arrives, and at most `nap` late for one that was lost.
+
+Notifications were lost, most of an engine step's: the writer's PUB socket counts a
+notification as queued (SNDHWM 1) until it takes in its I/O thread's word that it
+left, and zmq takes that in on a send only if about a millisecond has passed since it
+last did. A step's messages follow each other well within that (vLLM 0.32 sends the
+model run and the sampling as two calls), so a notification was dropped and its
+reader napped to the end: with 50 ms naps decode ran 3-5x slower (E-P-D, 16 tokens),
+most of its waits ended by the nap. `notify_without_drops` has the writer take in its
+socket's news first (reading ZMQ_EVENTS does, unthrottled), so a notification is sent
+whenever the reader has taken the previous one (benchmarks/shm_queue_wake.py).
 
 `vllm_plugin` is a vLLM general plugin (entry point `vllm.general_plugins`), called in
 every engine process before model code; it acts only where the HAL sets `ENV` (the CPU
 platform does; GPU and NPU hosts have cores to spare for the spin). It patches the
-wait itself, not the constructor, so a queue built before the plugin ran naps too.
+wait and the notify themselves, not the constructor, so a queue built before the plugin
+ran naps too, and its writer drops nothing.
 """
 
 from __future__ import annotations
@@ -68,15 +77,37 @@ def nap_instead_of_spin(condition_cls: type, ms: int) -> bool:
     return True
 
 
+def notify_without_drops(condition_cls: type) -> bool:
+    """Make every writer of `condition_cls` (vLLM's SpinCondition) process its socket's
+    pending commands before it notifies, so that a notification is dropped only when
+    the previous one really is still on its way. False where the class is not the one
+    this was written against."""
+    original = getattr(condition_cls, "notify", None)
+    if original is None:
+        return False
+    original = getattr(original, "__wrapped__", original)
+    from zmq import EVENTS
+
+    def notify(self) -> None:
+        self.local_notify_socket.getsockopt(EVENTS)  # takes in the I/O thread's news
+        original(self)
+
+    notify.__wrapped__ = original  # type: ignore[attr-defined]
+    condition_cls.notify = notify
+    return True
+
+
 def vllm_plugin() -> None:
-    """vLLM general plugin: queue readers nap instead of spinning where the HAL asked."""
+    """vLLM general plugin: queue readers nap instead of spinning, and writers drop no
+    notification, where the HAL asked."""
     ms = nap_ms()
     if ms is None:
         return
     from vllm.distributed.device_communicators import shm_broadcast
 
     condition = getattr(shm_broadcast, "SpinCondition", None)
-    if condition is None or not nap_instead_of_spin(condition, ms):
+    if condition is None or not (nap_instead_of_spin(condition, ms)
+                                 and notify_without_drops(condition)):
         log.warning("epd-serve: this vLLM's shared-memory queue has no SpinCondition; its "
                     "readers wait as vLLM decides (%s=%s not applied)", ENV, ms)
         return

@@ -181,3 +181,27 @@ def test_vllm_finds_the_plugin_among_its_general_plugins():
     (entry,) = [e for e in entry_points(group="vllm.general_plugins")
                 if e.name == "epd_serve_idle_wait"]
     assert entry.load() is idle_wait.vllm_plugin
+
+
+def test_a_notification_sent_right_after_the_last_one_was_taken_still_wakes(condition_cls, pair):
+    """A writer notifying again within a millisecond of the notification its reader just
+    took: vLLM's own notify drops it (the PUB socket still counts the first one as
+    queued); ours sends it. Each nap here is long, so a dropped one shows as a nap that
+    ran out (False) instead of one the notification ended (True)."""
+    writer, reader = pair
+    assert idle_wait.nap_instead_of_spin(condition_cls, 500)
+    assert idle_wait.notify_without_drops(condition_cls)
+    reader.record_read()
+    for _ in range(5):
+        writer.notify()
+        reader.wait(timeout_ms=5000)
+        writer.notify()  # at once: within zmq's command throttle of the first send
+        reader.wait(timeout_ms=5000)
+    assert reader.poller.polls == [(500, True)] * 10
+    assert nothing_left_to_read(reader)
+
+
+def test_patching_notify_twice_wraps_vllm_once(condition_cls):
+    idle_wait.notify_without_drops(condition_cls)
+    idle_wait.notify_without_drops(condition_cls)
+    assert condition_cls.notify.__wrapped__ is shm_broadcast.SpinCondition.notify
