@@ -23,16 +23,9 @@ import aiohttp
 from aiohttp import web
 
 from epd_serve.protocols.epd_push import VERSION
+from epd_serve.proxy.__main__ import event_loop
 
 TRANSFER_ID = "0" * 32  # the fakes check its form, not that it is unique
-
-
-def event_loop():
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    return uvloop.new_event_loop()
 
 
 def create_app(config: dict) -> web.Application:

@@ -280,8 +280,8 @@ def test_a_wait_past_its_deadline_asks_for_liveness_and_only_a_failed_check_ends
         return "answer"
 
     async def alive_twice_then_answers():
-        checks = Checks([True, True])  # asked at 0.2 s and 0.41 s; the next would be 0.62
-        got = await Upstream.patiently(checks, None, answer_after(0.5), 0.2, "answer")
+        checks = Checks([True, True])  # asked at 0.3 s and 0.61 s; the next would be 0.92
+        got = await Upstream.patiently(checks, None, answer_after(0.75), 0.3, "answer")
         return got, checks.asked
 
     async def found_hung():
