@@ -84,7 +84,9 @@ class Launcher:
         self._stopping = False
         # What the supervision rounds probe the children with, kept for the launcher's
         # life: a new httpx client costs ~50 ms of CPU (it loads the CA bundle into a TLS
-        # context), which every 2 s round made 2-3% of a core on an idle deployment.
+        # context), which every 2 s round made 2-3% of a core on an idle deployment. It
+        # keeps no connection between requests, as a client per round did not: a server
+        # closing an idle one just as a probe reuses it would read as a failed probe.
         self._probe_client: httpx.Client | None = None
         # Tells this launcher's processes apart from those of another launcher of the
         # same deployment (say a test and a developer's `epd-serve up`).
@@ -224,7 +226,8 @@ class Launcher:
         killed for the next step to restart them."""
         try:
             if self._probe_client is None:
-                self._probe_client = httpx.Client()
+                self._probe_client = httpx.Client(
+                    limits=httpx.Limits(max_keepalive_connections=0))
             client = self._probe_client
             probe(self.children, client)  # which ones have answered since their start
             hung = hung_children(self.children, {l.name for l in self.dep.launches},
