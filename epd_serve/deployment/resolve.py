@@ -56,6 +56,10 @@ def resolve(config: Deployment, root: Path) -> ResolvedDeployment:
         for role, role_args in config.role_engine_args.items():
             if role in inst.roles:
                 args.update(role_args)
+        env = dict(config.env)
+        for role in ("E", "P", "D"):
+            if role in inst.roles:
+                env.update(config.role_env.get(role, {}))
         kv_role = kv_role_for(inst)
         kv_port = None
         if kv_role is not None:
@@ -90,7 +94,7 @@ def resolve(config: Deployment, root: Path) -> ResolvedDeployment:
                 kv_port=kv_port,
                 kv_config=kv_config,
                 extra_args=tuple(_flag_args(args)),
-                extra_env=tuple(sorted(config.env.items())),
+                extra_env=tuple(sorted(env.items())),
                 engine_python=engine_python,
                 traces_endpoint=(f"http://{proxy_host_of(config)}:{config.proxy_port}"
                                  "/v1/traces" if config.engine_traces else None),

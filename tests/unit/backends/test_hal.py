@@ -279,6 +279,14 @@ def test_role_engine_args_apply_to_instances_running_that_stage():
     assert json.loads(flag(inst["ep0"][0], "--kv-transfer-config"))["kv_role"] == "kv_producer"
 
 
+def test_role_env_applies_to_instances_running_that_stage_over_the_deployments_env():
+    inst = by_name(resolved("cpu", "EP-D", env={"OMP_NUM_THREADS": "2", "X": "all"},
+                            role_env={"D": {"OMP_NUM_THREADS": "1"}, "P": {"Y": "p"}}))
+    ep_env, d_env = inst["ep0"][1], inst["d0"][1]
+    assert (ep_env["OMP_NUM_THREADS"], ep_env["X"], ep_env["Y"]) == ("2", "all", "p")
+    assert (d_env["OMP_NUM_THREADS"], d_env["X"]) == ("1", "all") and "Y" not in d_env
+
+
 def test_hardware_packages_are_not_imported_by_the_backends():
     code = ("import sys, epd_serve.backends as b\n"
             "for n in b.PLATFORMS: b.get_platform(n)\n"
