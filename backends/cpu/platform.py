@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.util
 import math
 
-from epd_serve.backends.cpu import amx, idle_wait
+from epd_serve.backends.cpu import amx, idle_wait, sampler_warmup
 from epd_serve.backends.hal import InstanceLaunch, Platform, python_module_launcher
 from epd_serve.protocols.registry import Connector
 
@@ -67,6 +67,10 @@ class CpuPlatform(Platform):
             # the instance computing needs (backends/cpu/idle_wait.py).
             idle_wait.ENV: "1",
         }
+        if not launch.encoder_only:
+            # Its workers compile the sampler's logprob-rank kernel at start, not in the
+            # first logprobs request's step (backends/cpu/sampler_warmup.py).
+            env[sampler_warmup.ENV] = "1"
         if launch.kv_role is not None:
             env["MC_FORCE_TCP"] = "1"
         return env

@@ -1,8 +1,9 @@
 """Our vLLM plugins act in every engine process of a CPU instance, switched on by the
 CPU HAL, before any model code runs: each process asks for AMX tiles (a decode
 instance on an AMX CPU otherwise dies in its first attention), and its shared-memory
-queue readers nap instead of spinning (backends/cpu/idle_wait.py). Read from the
-instances' own logs."""
+queue readers nap instead of spinning (backends/cpu/idle_wait.py), and the workers of
+instances that sample compile vLLM's logprob-rank kernel (backends/cpu/
+sampler_warmup.py). Read from the instances' own logs."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from epd_serve.backends.cpu.amx import GRANTED, NOT_NEEDED, cpu_flags, has_amx
 LINE = re.compile(r"epd-serve AMX tile permission in (\S+) \(pid (\d+)\): ([^:]+): (.*)")
 NAP = re.compile(r"epd-serve queue readers nap up to (\d+) ms instead of spinning in (\S+) "
                  r"\(pid (\d+)\)")
+COMPILED = re.compile(r"epd-serve compiled the sampler's logprob-rank kernel in (\S+) "
+                      r"\(pid (\d+)\) in ([\d.]+) s")
 
 
 @pytest.fixture(scope="module")
@@ -53,3 +56,14 @@ def test_every_engine_process_of_every_instance_naps_instead_of_spinning(dep):
         assert len({pid for *_, pid in naps}) >= 3, (launch.name, naps)
         assert any("Worker" in process for _, process, _ in naps), (launch.name, naps)
         assert {ms for ms, *_ in naps} == {1}, (launch.name, naps)
+
+
+def test_the_workers_of_sampling_instances_compiled_the_logprob_rank_kernel_at_start(dep):
+    for launch in dep.launches:
+        log = (dep.work_dir / "logs" / f"{launch.name}.log").read_text(errors="replace")
+        compiled = [(m[1], int(m[2])) for m in COMPILED.finditer(log)]
+        if launch.encoder_only:
+            assert compiled == [], (launch.name, compiled)  # an encoder never samples
+        else:
+            assert compiled and all(p.startswith("VllmWorker") for p, _ in compiled), \
+                (launch.name, compiled)
