@@ -168,8 +168,7 @@ class Deployment(BaseModel):
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment for every instance.")
     role_env: dict[Literal["E", "P", "D"], dict[str, str]] = Field(
         default_factory=dict, description="Extra environment for instances running a stage "
-        "(over `env`; an instance running several takes each, in E, P, D order), e.g. "
-        "OMP_NUM_THREADS for decode on the CPU backend.")
+        "(over `env`; an instance running several takes each, in E, P, D order).")
     engine_traces: bool = Field(
         True, description="Engines export each request's spans (OTLP/HTTP) to the proxy, "
         "which files them under the request's timeline (`epd-serve trace`, the load "
