@@ -7,7 +7,12 @@ from __future__ import annotations
 
 import httpx
 
-from epd_serve.instances.answers import Fingerprint, compare, fingerprint
+from epd_serve.instances.answers import Fingerprint, Verdict, compare, fingerprint
+
+# Decode computes a received prompt's last token again, in its own batch shape; on a long
+# prompt that moves a bf16 logit by up to one step of its rounding (2**-5 for a logit of
+# 4 to 8), which is past TOLERANCE. Only that first step gets this much.
+FIRST_STEP_TOLERANCE = 0.04
 
 
 def fingerprint_of(resp: httpx.Response | dict | Fingerprint) -> Fingerprint:
@@ -21,3 +26,18 @@ def assert_same_answer(got, want, what: str = "answer") -> None:
     """`got` answers as `want` does (responses, answer JSONs or fingerprints)."""
     comparison = compare(fingerprint_of(got), fingerprint_of(want))
     assert comparison.agrees, f"{what} differs from the reference: {comparison.where}"
+
+
+def assert_same_answer_from_decode(got, want, what: str = "answer") -> None:
+    """`got`, answered by a decode instance handed the prompt's KV, answers as `want`
+    (one instance alone) does: every step after the first exactly as assert_same_answer
+    (decode puts back the K/V prefill computed for the prompt's last token,
+    epd_kv/prompt_tail.py, so later steps read the cache one instance holds), the first,
+    decode's own computation of that token, within FIRST_STEP_TOLERANCE."""
+    got, want = fingerprint_of(got), fingerprint_of(want)
+    later = compare(tuple(steps[1:] for steps in got), tuple(steps[1:] for steps in want))
+    assert later.verdict is Verdict.SAME, \
+        f"{what} differs from the reference after its first token: {later.where}"
+    first = compare(tuple(steps[:1] for steps in got), tuple(steps[:1] for steps in want),
+                    tolerance=FIRST_STEP_TOLERANCE)
+    assert first.agrees, f"{what} differs from the reference: {first.where}"

@@ -175,7 +175,8 @@ def compare(got: Fingerprint, want: Fingerprint, tolerance: float = TOLERANCE) -
             verdict = _compare_step(g, w, tolerance)
             if verdict is Verdict.DIFFERENT:
                 return Comparison(verdict, f"choice {index} step {step}: {g.token!r} "
-                                           f"{g.logprob} against {w.token!r} {w.logprob}")
+                                           f"{g.logprob} against {w.token!r} {w.logprob}"
+                                           f" (top {list(g.top)} against {list(w.top)})")
             if verdict is Verdict.TIED:
                 tied = tied or f"choice {index} step {step}: {g.token!r} and {w.token!r} tied"
                 break

@@ -15,7 +15,7 @@ import pytest
 from epd_serve.instances.answers import Fingerprint, ask_for_fingerprint
 from epd_serve.instances.payloads import chat_body, image_data_url, make_image
 
-from ..answers import assert_same_answer, fingerprint_of
+from ..answers import assert_same_answer, assert_same_answer_from_decode, fingerprint_of
 from ..waiting import wait_for
 
 ADMIN_KEY = "e2e-admin"
@@ -106,9 +106,10 @@ def test_a_prefill_switched_while_it_holds_a_requests_kv_and_features_still_serv
             wait_for(lambda: roles(dep)["instances"]["p0"]["roles"] == "D", "p0 is D")
             switch(dep, "p0", "P")  # too late to catch the hop: again
         assert made["in_flight_at_decision"] >= 1 and made["outcome"] == "draining"
-    assert_same_answer(resp, expected)
     stages = resp.headers["x-epd-stages"]
     assert "P=p0" in stages and "KV=done" in stages, stages  # its KV came from p0
+    # A long prompt: decode's own first step may move a logit by a bf16 rounding step.
+    assert_same_answer_from_decode(resp, expected, stages)
     wait_for(lambda: roles(dep)["instances"]["p0"]["roles"] == "D", "p0 serving D")
     finished = roles(dep)["switches"][-1]
     assert finished["outcome"] == "done" and finished["serving_after_ms"] > 0
