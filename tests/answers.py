@@ -7,12 +7,18 @@ from __future__ import annotations
 
 import httpx
 
-from epd_serve.instances.answers import Fingerprint, Verdict, compare, fingerprint
+from epd_serve.instances.answers import (
+    ROUNDING_STEP_TOLERANCE,
+    Fingerprint,
+    Verdict,
+    compare,
+    fingerprint,
+)
 
 # Decode computes a received prompt's last token again, in its own batch shape; on a long
-# prompt that moves a bf16 logit by up to one step of its rounding (2**-5 for a logit of
-# 4 to 8), which is past TOLERANCE. Only that first step gets this much.
-FIRST_STEP_TOLERANCE = 0.04
+# prompt that moves a logit by up to one step of its bf16 rounding, past TOLERANCE. Only
+# that first step is given this much.
+FIRST_STEP_TOLERANCE = ROUNDING_STEP_TOLERANCE
 
 
 def fingerprint_of(resp: httpx.Response | dict | Fingerprint) -> Fingerprint:
