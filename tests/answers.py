@@ -15,11 +15,6 @@ from epd_serve.instances.answers import (
     fingerprint,
 )
 
-# Decode computes a received prompt's last token again, in its own batch shape; on a long
-# prompt that moves a logit by up to one step of its bf16 rounding, past TOLERANCE. Only
-# that first step is given this much.
-FIRST_STEP_TOLERANCE = ROUNDING_STEP_TOLERANCE
-
 
 def fingerprint_of(resp: httpx.Response | dict | Fingerprint) -> Fingerprint:
     if isinstance(resp, httpx.Response):
@@ -39,11 +34,13 @@ def assert_same_answer_from_decode(got, want, what: str = "answer") -> None:
     (one instance alone) does: every step after the first exactly as assert_same_answer
     (decode puts back the K/V prefill computed for the prompt's last token,
     epd_kv/prompt_tail.py, so later steps read the cache one instance holds), the first,
-    decode's own computation of that token, within FIRST_STEP_TOLERANCE."""
+    decode's own computation of that token in its own batch shape, within one bf16
+    rounding step of a logit (ROUNDING_STEP_TOLERANCE: on a long prompt it moves by
+    that much, past TOLERANCE)."""
     got, want = fingerprint_of(got), fingerprint_of(want)
     later = compare(tuple(steps[1:] for steps in got), tuple(steps[1:] for steps in want))
     assert later.verdict is Verdict.SAME, \
         f"{what} differs from the reference after its first token: {later.where}"
     first = compare(tuple(steps[:1] for steps in got), tuple(steps[:1] for steps in want),
-                    tolerance=FIRST_STEP_TOLERANCE)
+                    tolerance=ROUNDING_STEP_TOLERANCE)
     assert first.agrees, f"{what} differs from the reference: {first.where}"

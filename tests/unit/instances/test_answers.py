@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from epd_serve.instances.answers import (
+    ROUNDING_STEP_TOLERANCE,
     TOLERANCE,
     NoFingerprint,
     Verdict,
@@ -16,6 +17,8 @@ from epd_serve.instances.answers import (
     fingerprint,
     fingerprint_of_stream,
 )
+
+from tests.answers import assert_same_answer_from_decode
 
 
 def chat_step(token: str, top: dict[str, float]) -> dict:
@@ -128,15 +131,13 @@ def test_tokens_that_read_alike_are_told_apart_by_their_bytes():
 
 
 def test_an_answer_from_decode_may_move_its_first_step_by_a_rounding_step_and_no_more():
-    from tests.answers import FIRST_STEP_TOLERANCE, assert_same_answer_from_decode
-
     # Decode's own computation of the prompt's last token: one bf16 step of a logit.
     rounded = chat_answer(("a", {**TOP_A, "b": -1.2 + 0.031}), ("b", TOP_B))
     assert compare(fingerprint(rounded), fingerprint(ANSWER)).verdict is Verdict.DIFFERENT
     assert_same_answer_from_decode(rounded, ANSWER)
     # More than that on the first step, or any move past TOLERANCE on a later one, is
     # another computation.
-    moved_first = chat_answer(("a", shifted(TOP_A, -2 * FIRST_STEP_TOLERANCE)), ("b", TOP_B))
+    moved_first = chat_answer(("a", shifted(TOP_A, -2 * ROUNDING_STEP_TOLERANCE)), ("b", TOP_B))
     moved_later = chat_answer(("a", TOP_A), ("b", {**TOP_B, "d": -2.9 + 2 * TOLERANCE}))
     for wrong in (moved_first, moved_later):
         with pytest.raises(AssertionError, match="differs from the reference"):
