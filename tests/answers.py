@@ -38,9 +38,11 @@ def assert_same_answer_from_decode(got, want, what: str = "answer") -> None:
     rounding step of a logit (ROUNDING_STEP_TOLERANCE: on a long prompt it moves by
     that much, past TOLERANCE)."""
     got, want = fingerprint_of(got), fingerprint_of(want)
-    later = compare(tuple(steps[1:] for steps in got), tuple(steps[1:] for steps in want))
-    assert later.verdict is Verdict.SAME, \
-        f"{what} differs from the reference after its first token: {later.where}"
     first = compare(tuple(steps[:1] for steps in got), tuple(steps[:1] for steps in want),
                     tolerance=ROUNDING_STEP_TOLERANCE)
     assert first.agrees, f"{what} differs from the reference: {first.where}"
+    if first.verdict is Verdict.TIED:
+        return  # two tokens level at the first step: nothing after it can be compared
+    later = compare(tuple(steps[1:] for steps in got), tuple(steps[1:] for steps in want))
+    assert later.agrees, f"{what} differs from the reference after its first token: " \
+                         f"{later.where}"

@@ -142,3 +142,10 @@ def test_an_answer_from_decode_may_move_its_first_step_by_a_rounding_step_and_no
     for wrong in (moved_first, moved_later):
         with pytest.raises(AssertionError, match="differs from the reference"):
             assert_same_answer_from_decode(wrong, ANSWER)
+
+
+def test_an_answer_from_decode_whose_first_token_was_a_tie_is_compared_no_further():
+    # The two likeliest tokens level within a rounding step: decode may take the other.
+    level = {"a": -0.80, "b": -0.81, "c": -2.0, "d": -2.5, "e": -3.0}
+    took_b = chat_answer(("b", {**level, "b": -0.79}), ("z", {"z": -0.1}))
+    assert_same_answer_from_decode(took_b, chat_answer(("a", level), ("b", TOP_B)))
