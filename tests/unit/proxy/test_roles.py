@@ -247,7 +247,9 @@ def test_a_stage_still_starting_is_not_refilled():
 
 def test_a_switch_whose_stage_lost_its_sibling_while_it_drained_is_abandoned():
     with deployment(["P~", "P", "D"], routing={"handoff_fallback": "refuse"}) as d:
-        d.apps["p0"].state.delay_s = 1.0
+        # p0's drain outlasts the switch call and p1's loss by seconds, also on a busy
+        # host (at 1 s the drain once ended first there: the switch was then done).
+        d.apps["p0"].state.delay_s = 3.0
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             held = pool.submit(d.client.post, "/v1/chat/completions", json=body("q"))
             wait_for(lambda: d.proxy.proxy.table.get("p0").in_flight == 1, "p0 busy")
