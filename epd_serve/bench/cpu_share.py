@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
-from epd_serve.bench.waterfall import ENGINE_SPAN
+from epd_serve.bench.waterfall import ENGINE_SPAN, spans_by_parent
 
 SAMPLE_EVERY_S = 0.002
 
@@ -91,9 +91,7 @@ def phase_windows(timeline: dict) -> list[tuple[str, int, int]]:
     """The engine phases of one request's successful hops, as ("P prefill", start_ns,
     end_ns) in the order the timeline has them; phases of no length are left out."""
     spans = timeline["spans"]
-    by_parent: dict[str, list[dict]] = {}
-    for span in spans:
-        by_parent.setdefault(span.get("parent_id") or "", []).append(span)
+    by_parent = spans_by_parent(spans)
     out = []
     for hop in spans:
         if hop["source"] != "proxy" or hop["name"] == "request" \

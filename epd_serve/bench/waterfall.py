@@ -109,7 +109,7 @@ def rows(timeline: dict) -> list[Row]:
         return (ns - t0) / 1e6
 
     spans = timeline["spans"]
-    children = _children(spans)
+    children = spans_by_parent(spans)
     out = []
     for span in spans:
         if span["source"] != "proxy":
@@ -144,7 +144,7 @@ def rows(timeline: dict) -> list[Row]:
     return out
 
 
-def _children(spans: list[dict]) -> dict[str, list[dict]]:
+def spans_by_parent(spans: list[dict]) -> dict[str, list[dict]]:
     """Spans by their parent's span id ("" for none)."""
     children: dict[str, list[dict]] = {}
     for span in spans:
@@ -170,7 +170,7 @@ def stage_parts(timeline: dict) -> dict[str, float]:
     the engine did not account for ("P outside engine": HTTP, the API server's own
     work, the answer's way back). "total" is the request as the proxy served it."""
     parts: dict[str, float] = {}
-    by_parent = _children(timeline["spans"])
+    by_parent = spans_by_parent(timeline["spans"])
     for span in timeline["spans"]:
         if span["source"] != "proxy":
             continue
