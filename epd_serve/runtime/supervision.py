@@ -47,8 +47,36 @@ def probe(children: Sequence[Any], client: httpx.Client) -> None:
 
 
 def exited_during_start_up(child: Any) -> LaunchError:
+    tail = child.log_tail()
+    # An engine that fails in its core process says why first; its API server's own
+    # traceback ("Engine core initialization failed. See root cause above.") comes last.
+    cause = first_traceback(child.log_path)
+    cause_text = f"\nits first error:\n{cause}" if cause and cause not in tail else ""
     return LaunchError(f"{child.name} exited with code {child.exit_code()} during start-up; "
-                       f"last lines of {child.log_path}:\n{child.log_tail()}")
+                       f"last lines of {child.log_path}:\n{tail}{cause_text}")
+
+
+def first_traceback(log_path: Path, lines: int = 12) -> str:
+    """The end of the first Python traceback in a log, its exception line last ('' if
+    there is none). Works on prefixed lines like vLLM's `(EngineCore pid=7) ...`."""
+    try:
+        text = Path(log_path).read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    marker = "Traceback (most recent call last):"
+    start = next((i for i, line in enumerate(text) if marker in line), None)
+    if start is None:
+        return ""
+    prefix = text[start][:text[start].index(marker)]
+    block = [text[start]]
+    for line in text[start + 1:]:
+        if not line.startswith(prefix):
+            continue  # another process's line interleaved
+        block.append(line)
+        body = line[len(prefix):]
+        if body and not body[0].isspace():
+            break  # the exception line ends the frames
+    return "\n".join(block[-lines:])
 
 
 def wait_serving(child: Any, refresh: Refresh, timeout_s: float = 60.0) -> None:

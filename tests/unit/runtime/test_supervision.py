@@ -20,7 +20,8 @@ import pytest
 from epd_serve.deployment import schema
 from epd_serve.deployment.schema import Supervision
 from epd_serve.deployment.resolve import resolve
-from epd_serve.runtime.child import Child
+from epd_serve.runtime import supervision
+from epd_serve.runtime.child import Child, log_tail
 from epd_serve.runtime.launcher import Launcher
 from epd_serve.runtime.supervision import RestartBackoff
 
@@ -294,3 +295,52 @@ def test_the_older_max_restarts_key_sets_the_restarts_made_at_once():
         schema.Deployment(**base, max_restarts=2, supervision={"rapid_restarts": 5})
     with pytest.raises(ValueError, match="backoff_max_s must be at least backoff_s"):
         schema.Deployment(**base, supervision={"backoff_s": 10, "backoff_max_s": 5})
+
+
+ENGINE_FAILED_LOG = """\
+(APIServer pid=30) INFO starting
+(EngineCore pid=31) ERROR EngineCore failed to start.
+(EngineCore pid=31) Traceback (most recent call last):
+(APIServer pid=30) INFO waiting for the engine
+(EngineCore pid=31)   File "vllm/v1/engine/core.py", line 700, in run_engine_core
+(EngineCore pid=31)     engine_core = EngineCoreProc(*args, **kwargs)
+(EngineCore pid=31) ValueError: not enough memory for the KV cache
+(APIServer pid=30) Traceback (most recent call last):
+(APIServer pid=30)   File "vllm/v1/engine/utils.py", line 1249, in wait_for_engine_startup
+(APIServer pid=30)     raise RuntimeError(
+(APIServer pid=30) RuntimeError: Engine core initialization failed. See root cause above.
+"""
+
+
+def test_a_start_up_failure_names_the_first_error_in_the_log_not_only_its_last_lines(tmp_path):
+    """An engine's API server ends its log with "see root cause above": the launch error
+    must carry that cause, the core process's own exception, without its neighbours."""
+    log = tmp_path / "d0.log"
+    log.write_text(ENGINE_FAILED_LOG + "\n".join(f"(APIServer pid=30) shutting down {i}"
+                                                 for i in range(20)))
+
+    class ExitedChild:  # what the launchers' children offer (see supervision's docstring)
+        name, log_path = "d0", log
+
+        def exit_code(self) -> int:
+            return 1
+
+        def log_tail(self) -> str:
+            return log_tail(log)
+
+    message = str(supervision.exited_during_start_up(ExitedChild()))
+    assert "ValueError: not enough memory for the KV cache" in message
+    assert "waiting for the engine" not in message  # another process's line, left out
+    assert message.index("shutting down 19") < message.index("ValueError")
+
+
+def test_the_first_traceback_of_a_log_ends_at_its_exception_line(tmp_path):
+    log = tmp_path / "x.log"
+    log.write_text(ENGINE_FAILED_LOG)
+    block = supervision.first_traceback(log).splitlines()
+    assert block[0].endswith("Traceback (most recent call last):")
+    assert block[-1] == "(EngineCore pid=31) ValueError: not enough memory for the KV cache"
+    assert len(block) == 4
+    assert supervision.first_traceback(tmp_path / "missing.log") == ""
+    (tmp_path / "clean.log").write_text("all fine\n")
+    assert supervision.first_traceback(tmp_path / "clean.log") == ""
