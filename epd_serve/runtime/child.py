@@ -27,7 +27,9 @@ import psutil
 
 from epd_serve.deployment.schema import Supervision
 from epd_serve.protocols.held_socket import LISTEN_FD_ENV, listening_socket
-from epd_serve.runtime.proctree import TAG_ENV, ProcessTree, kill_trees, plural
+from epd_serve.runtime.proctree import (TAG_ENV, ProcessTree, Sweep, find_tree_processes,
+                                        kill_trees, plural)
+from epd_serve.runtime.shm_leftovers import mapped_segments
 from epd_serve.runtime.supervision import RestartBackoff
 
 STOP_GRACE_S = 20.0
@@ -104,6 +106,10 @@ class Child:
     listener: socket.socket | None = dataclasses.field(default=None, init=False, repr=False)
     _backoff: RestartBackoff | None = dataclasses.field(default=None, init=False, repr=False)
     _relay: subprocess.Popen | None = dataclasses.field(default=None, init=False, repr=False)
+    # Shared-memory segments its processes mapped once serving (shm_leftovers.py), to
+    # remove after its tree is killed even if every process that mapped them is gone.
+    shm_segments: set[Path] = dataclasses.field(default_factory=set, init=False, repr=False)
+    _segments_noted: bool = dataclasses.field(default=False, init=False, repr=False)
 
     @property
     def backoff(self) -> RestartBackoff:
@@ -141,6 +147,7 @@ class Child:
             os.close(write_end)  # the child (and what it starts) holds the only copies
         self.started_at = self.clock()
         self.healthy = False
+        self._segments_noted = False
 
     def _listener(self) -> socket.socket | None:
         """The socket to hand this start, bound at the first start that can: one
@@ -186,11 +193,14 @@ class Child:
         if self.next_start_at is None:
             code = self.exit_code()
             if code is None:
+                if self.healthy and not self._segments_noted:
+                    self.note_segments()
                 return None
-            sweep = kill_trees([self.tree()], LEFTOVER_GRACE_S)
+            sweep = self._kill_tree()
             note = f"killed {plural(sweep.killed, 'leftover process')}; " if sweep.killed else ""
             if sweep.survivors:
                 note += f"pids {sweep.survivors} survived SIGKILL; "
+            note += released_note(sweep)
             self._back_off(now, now - self.started_at, f"exited with code {code}")
             event = f"{self.name} exited with code {code}; {note}"
             if now < self.next_start_at:
@@ -205,9 +215,22 @@ class Child:
         """It is there but has not answered for too long (liveness.py): kill its tree
         (SIGKILL reaches a stopped process), for `revive` to restart it as after a
         crash. Returns what happened."""
-        sweep = kill_trees([self.tree()], LEFTOVER_GRACE_S)
+        sweep = self._kill_tree()
         self.healthy, self.silent_since = False, None
-        return f"{self.name} is hung ({why}): killed {plural(sweep.killed, 'process')}"
+        return f"{self.name} is hung ({why}): killed {plural(sweep.killed, 'process')}" \
+            + (f"; {released_note(sweep).removesuffix('; ')}" if sweep.released else "")
+
+    def note_segments(self) -> None:
+        """Remember the shared-memory segments its processes map now (a serving engine's
+        rings exist by then): a crash that takes every process mapping them leaves
+        nothing to find them by when its tree is swept."""
+        self.shm_segments |= mapped_segments(find_tree_processes([self.tree()]))
+        self._segments_noted = True
+
+    def _kill_tree(self, grace_s: float = LEFTOVER_GRACE_S) -> Sweep:
+        sweep = kill_trees([self.tree()], grace_s, self.shm_segments)
+        self.shm_segments = {path for path in self.shm_segments if path.exists()}
+        return sweep
 
     def try_start(self, now: float | None = None) -> str | None:
         """Start it now; a start that fails (no such command, no memory to fork, a
@@ -258,6 +281,12 @@ class Child:
                 self._relay.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 pass
+
+
+def released_note(sweep: Sweep) -> str:
+    """What a sweep removed of the shared memory its tree left ('' if nothing)."""
+    count = len(sweep.released)
+    return f"removed {count} shared-memory segment{'s' * (count != 1)} it left; " if count else ""
 
 
 def _widen_pipe(fd: int) -> None:

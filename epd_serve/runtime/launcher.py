@@ -192,8 +192,11 @@ class Launcher:
     def wait_healthy(self, progress: Callable[[list[Child], float], None] | None = None) -> float:
         """Block until every process answers its health URL; returns seconds taken. An
         instance that exits during start-up fails the launch with its log tail."""
-        return wait_healthy(self.children, self.poll_health, self.dep.config.health_timeout_s,
-                            self.log_dir, progress)
+        elapsed = wait_healthy(self.children, self.poll_health,
+                               self.dep.config.health_timeout_s, self.log_dir, progress)
+        for child in self.children:
+            child.note_segments()  # a crash before the first supervision round leaks none
+        return elapsed
 
     # -- keep up ------------------------------------------------------------
     def supervise_once(self) -> list[str]:
@@ -253,7 +256,8 @@ class Launcher:
     def stop(self) -> None:
         """Kill every child's whole tree, leftovers of earlier incarnations included."""
         self._stopping = True
-        kill_trees([child.tree() for child in self.children], STOP_GRACE_S)
+        kill_trees([child.tree() for child in self.children], STOP_GRACE_S,
+                   set().union(*(child.shm_segments for child in self.children)))
         for child in self.children:
             if child.process is not None:
                 try:

@@ -20,8 +20,11 @@ import signal
 import time
 import typing
 from collections.abc import Iterable
+from pathlib import Path
 
 import psutil
+
+from epd_serve.runtime import shm_leftovers
 
 TAG_ENV = "EPD_SERVE_PROCESS"
 KILL_WAIT_S = 1.0  # for a SIGKILLed process to be gone
@@ -41,6 +44,7 @@ class ProcessTree:
 class Sweep(typing.NamedTuple):
     killed: int  # processes of the trees that were running when the sweep began or later
     survivors: list[int]  # pids still running after the last SIGKILL (stuck in the kernel)
+    released: list[Path]  # shared-memory segments they left behind, removed
 
 
 def _pgid(pid: int) -> int | None:
@@ -119,12 +123,16 @@ def _wait_gone(procs: Iterable[psutil.Process], timeout: float) -> bool:
     return True
 
 
-def kill_trees(trees: list[ProcessTree], grace_s: float) -> Sweep:
+def kill_trees(trees: list[ProcessTree], grace_s: float,
+               segments: Iterable[Path] = ()) -> Sweep:
     """SIGTERM every process of the trees, SIGKILL whatever is left after grace_s (or
-    appeared since), and look again until none is left or KILL_ROUNDS are spent."""
+    appeared since), and look again until none is left or KILL_ROUNDS are spent. Then
+    remove the shared-memory segments the trees leave behind (shm_leftovers.py): those
+    their processes map now and `segments`, noted while they ran, that nothing maps."""
     procs = find_tree_processes(trees)
+    segments = set(segments) | shm_leftovers.mapped_segments(procs)
     if not procs:
-        return Sweep(0, [])
+        return Sweep(0, [], shm_leftovers.release(segments))
     seen = dict(procs)
     _send(procs.values(), signal.SIGTERM)
     _wait_gone(procs.values(), grace_s)
@@ -135,11 +143,13 @@ def kill_trees(trees: list[ProcessTree], grace_s: float) -> Sweep:
         if not procs:
             break
         seen.update(procs)
+        segments |= shm_leftovers.mapped_segments(procs)
         _send(procs.values(), signal.SIGKILL)
         _wait_gone(procs.values(), KILL_WAIT_S)
     else:
         procs = find_tree_processes(trees, known=seen.values())
-    return Sweep(len(seen), sorted(procs))
+    # A survivor's segments stay: release() keeps whatever a running process maps.
+    return Sweep(len(seen), sorted(procs), shm_leftovers.release(segments))
 
 
 def plural(n: int, word: str) -> str:

@@ -189,7 +189,7 @@ class ProcessHost:
         self._stopping.set()
         if self.error is None:
             self._thread.join(timeout=SUPERVISE_INTERVAL_S * 5)
-        killed = kill_trees([self.child.tree()], STOP_GRACE_S).killed
+        killed = kill_trees([self.child.tree()], STOP_GRACE_S, self.child.shm_segments).killed
         if self.child.process is not None:
             try:
                 self.child.process.wait(timeout=KILL_WAIT_S)  # reap it

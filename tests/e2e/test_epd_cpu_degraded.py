@@ -4,12 +4,14 @@ prompt itself (an image's feature taken from the MM Store by reference); with th
 decode instance killed, prefill decodes; with the only encoder killed, prefill encodes.
 Every such answer says so (FALLBACK= in x-epd-stages), is the answer one whole engine
 gives (tokens and top log-probs), the proxy counts it, the instances' own counters show
-who did the work, and once the launcher has the instance back the normal path resumes."""
+who did the work, and once the launcher has the instance back the normal path resumes,
+the shared memory the killed engine left behind removed."""
 
 from __future__ import annotations
 
 import itertools
 import time
+from pathlib import Path
 
 import httpx
 import psutil
@@ -18,6 +20,7 @@ import pytest
 from epd_serve.instances.answers import ask_for_fingerprint
 from epd_serve.instances.counters import Counters, snapshot
 from epd_serve.instances.payloads import chat_body, image_data_url, make_image
+from epd_serve.runtime.shm_leftovers import mapped_segments
 
 from ..answers import assert_same_answer
 
@@ -100,12 +103,16 @@ def assert_answered_as_alone(dep, resp: httpx.Response, payload: dict, whole: st
     assert_same_answer(resp, alone, f"stood-in answer against {whole} alone")
 
 
-def kill_tree(launcher, name: str) -> None:
+def kill_tree(launcher, name: str) -> set[Path]:
     """SIGKILL an instance's whole process tree, as a crash of the machine's view of it
-    would, and wait until every process of it is gone (its port then refuses)."""
+    would, and wait until every process of it is gone (its port then refuses). Returns
+    the shared-memory segments (vLLM's rings) its processes mapped: with every process
+    gone, nothing removes them but the launcher's sweep before the restart."""
     child = next(c for c in launcher.children if c.name == name)
     leader = psutil.Process(child.process.pid)
     procs = [leader, *leader.children(recursive=True)]
+    segments = mapped_segments(proc.pid for proc in procs)
+    assert segments, f"{name}'s engine maps no shared-memory ring: nothing to check below"
     for proc in procs:
         try:
             proc.kill()
@@ -113,6 +120,14 @@ def kill_tree(launcher, name: str) -> None:
             pass
     _, alive = psutil.wait_procs(procs, timeout=30)
     assert not alive, f"processes of {name} survived SIGKILL: {alive}"
+    assert all(path.exists() for path in segments)  # left behind by the killed processes
+    return segments
+
+
+def assert_removed(segments: set[Path]) -> None:
+    """The launcher's sweep before the restart removed the killed tree's segments."""
+    left = sorted(str(path) for path in segments if path.exists())
+    assert not left, f"shared memory of the killed instance left behind: {left}"
 
 
 def serve_until_back(dep, launcher, name: str, missing: str, standin: str) -> int:
@@ -173,7 +188,7 @@ def test_with_prefill_killed_decode_serves_text_and_images_until_it_is_back(dep,
     check_normal_path(dep)
     counted = fallbacks(dep, "P", "D")
 
-    kill_tree(launcher, p)
+    segments = kill_tree(launcher, p)
     # No waiting for the proxy's probe: the first request finds prefill refusing
     # connections and is planned again with decode alone.
     payload = body(dep, "text")
@@ -201,6 +216,7 @@ def test_with_prefill_killed_decode_serves_text_and_images_until_it_is_back(dep,
     assert_answered_as_alone(dep, resp, payload, d)  # the feature by reference: right
 
     stood_in = serve_until_back(dep, launcher, p, "P", "D")
+    assert_removed(segments)
     assert fallbacks(dep, "P", "D") - counted == 2 + stood_in
     check_normal_path(dep)
 
@@ -211,7 +227,7 @@ def test_with_decode_killed_prefill_serves_text_and_images_until_it_is_back(dep,
     wait_all_healthy(dep, RESTART_TIMEOUT_S)
     counted = fallbacks(dep, "D", "P")
 
-    kill_tree(launcher, d)
+    segments = kill_tree(launcher, d)
     # Wait for the proxy to see it (its probe finds the port refusing) so that prefill's
     # counters show this request alone: a request planned before that would have been
     # prefilled for the hand-off first, then run whole when decode refused it.
@@ -237,6 +253,7 @@ def test_with_decode_killed_prefill_serves_text_and_images_until_it_is_back(dep,
     assert_answered_as_alone(dep, resp, payload, p)
 
     stood_in = serve_until_back(dep, launcher, d, "D", "P")
+    assert_removed(segments)
     assert fallbacks(dep, "D", "P") - counted == 2 + stood_in
     check_normal_path(dep)
 
@@ -247,7 +264,7 @@ def test_with_the_encoder_killed_prefill_encodes_images_until_it_is_back(dep, de
     wait_all_healthy(dep, RESTART_TIMEOUT_S)
     counted = fallbacks(dep, "E", "P")
 
-    kill_tree(launcher, e)
+    segments = kill_tree(launcher, e)
     # The encoder refuses the image's batch: prefill gets the pixels instead.
     payload = body(dep, "image")
     resp, delta = traced(dep, payload, [p, d], d)
@@ -262,6 +279,7 @@ def test_with_the_encoder_killed_prefill_encodes_images_until_it_is_back(dep, de
     assert_answered_as_alone(dep, resp, payload, p)
 
     stood_in = serve_until_back(dep, launcher, e, "E", "P")
+    assert_removed(segments)
     assert fallbacks(dep, "E", "P") - counted == 1 + stood_in
     check_normal_path(dep)
 

@@ -5,7 +5,9 @@ The fake instance below is shaped like vLLM's: an API server serving /health for
 engine core (multiprocessing), which starts a worker that ignores SIGTERM and a helper
 that daemonizes. The worker runs with a cleared environment, so only its process group
 finds it; the helper calls os.setsid() and is reparented to init, so only the
-environment tag finds it.
+environment tag finds it. Like vLLM's, the engine core shares a ring in POSIX shared
+memory with its worker, which nothing removes if they are killed: the sweep must
+(epd_serve/runtime/shm_leftovers.py).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ ROLES = ("leader", "engine", "worker", "escaper")
 FAKE_INSTANCE = textwrap.dedent('''
     """A fake vLLM instance; every process writes <pid-dir>/<leader pid>.<role> = its pid."""
     import argparse, http.server, multiprocessing, os, signal, subprocess, sys, time
+    import mmap
 
     def record(pid_dir, role):
         path = os.path.join(pid_dir, f"{os.environ['FAKE_LEADER']}.{role}")
@@ -50,10 +53,27 @@ FAKE_INSTANCE = textwrap.dedent('''
         while True:
             time.sleep(60)
 
+    def shared_ring(name=None):
+        """A segment in /dev/shm named as multiprocessing.shared_memory names them,
+        mapped and written to, that nothing removes at exit (as vLLM's rings: a killed
+        engine leaves them). Made by hand: shared_memory would start a resource tracker
+        process, one more process in the tree."""
+        name = name or f"psm_fake{os.getpid()}"
+        fd = os.open(f"/dev/shm/{name}", os.O_CREAT | os.O_RDWR, 0o600)
+        os.ftruncate(fd, 1 << 20)
+        ring = mmap.mmap(fd, 1 << 20)
+        ring[:4] = b"ring"
+        return name, ring
+
     def engine_core(pid_dir):
+        name, ring = shared_ring()
+        path = os.path.join(pid_dir, f"{os.environ['FAKE_LEADER']}.segment")
+        with open(path + ".tmp", "w") as f:
+            f.write(name)
+        os.replace(path + ".tmp", path)
         record(pid_dir, "engine")
         # A clean environment drops the launcher's tag; the process group remains.
-        subprocess.Popen([sys.executable, __file__, "worker", pid_dir],
+        subprocess.Popen([sys.executable, __file__, "worker", pid_dir, name],
                          env={"FAKE_LEADER": os.environ["FAKE_LEADER"]})
         subprocess.Popen([sys.executable, __file__, "escaper", pid_dir])
         sleep_forever()
@@ -68,6 +88,7 @@ FAKE_INSTANCE = textwrap.dedent('''
 
     if sys.argv[1] == "worker":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # only SIGKILL stops it
+        name, ring = shared_ring(sys.argv[3])
         record(sys.argv[2], "worker")
         sleep_forever()
     elif sys.argv[1] == "escaper":
@@ -87,6 +108,10 @@ FAKE_INSTANCE = textwrap.dedent('''
         # Forked before any thread starts, like vLLM's engine core.
         multiprocessing.get_context("fork").Process(target=engine_core,
                                                     args=(args.pid_dir,)).start()
+        # Healthy once its engine and worker run (and map their ring), as vLLM's /health.
+        worker = os.path.join(args.pid_dir, f"{os.getpid()}.worker")
+        while not os.path.exists(worker):
+            time.sleep(0.05)
         http.server.HTTPServer((args.host, args.port), Health).serve_forever()
 ''')
 
@@ -145,6 +170,13 @@ def tree_pids(launcher: Launcher, timeout: float = 15.0) -> dict[str, int]:
     return {role: int(path.read_text()) for role, path in files.items()}
 
 
+def segment(launcher: Launcher) -> Path:
+    """The shared-memory segment the current incarnation's engine and worker map."""
+    tree_pids(launcher)  # the worker has mapped it once it recorded its pid
+    name = (launcher.pid_dir / f"{instance(launcher).process.pid}.segment").read_text()
+    return Path("/dev/shm") / name
+
+
 class FrozenClock:
     """A clock for a child's back-off (Child.clock): it stands still until set."""
 
@@ -192,6 +224,8 @@ def test_restart_kills_the_dead_api_servers_engine_processes_first(tree_launcher
     monkeypatch.setattr(proctree, "_wait_gone",
                         lambda procs, timeout: waits.append(timeout) or wait_gone(procs, timeout))
     old = tree_pids(launcher)
+    ring = segment(launcher)
+    assert ring.exists()
     # The escaper left the group and the tree, the worker the tag: each is found one way.
     assert os.getpgid(old["escaper"]) != old["leader"] == os.getpgid(old["worker"])
     assert psutil.Process(old["escaper"]).ppid() != old["engine"]
@@ -204,8 +238,8 @@ def test_restart_kills_the_dead_api_servers_engine_processes_first(tree_launcher
 
     events = launcher.supervise_once()
 
-    assert events == ["epd0 exited with code -9; killed 3 leftover processes; restarting "
-                      "(restart 1)"]
+    assert events == ["epd0 exited with code -9; killed 3 leftover processes; removed 1 "
+                      "shared-memory segment it left; restarting (restart 1)"]
     assert not [role for role, pid in old.items() if alive(pid)]
     # Supervision blocks at most the short leftover grace (SIGTERM), then a second per
     # round of SIGKILL: never the grace a full stop gives (the worker ignores SIGTERM).
@@ -215,7 +249,45 @@ def test_restart_kills_the_dead_api_servers_engine_processes_first(tree_launcher
     assert sum(waits) <= most < 6
     new = tree_pids(launcher)  # the replacement runs its own tree, untouched by the sweep
     assert new["leader"] != old["leader"] and all(alive(pid) for pid in new.values())
+    assert not ring.exists() and segment(launcher).exists()
     launcher.wait_healthy()
+
+
+def test_a_tree_killed_whole_leaves_no_shared_memory_behind(tree_launcher):
+    """Every process of the instance SIGKILLed at once (as the OOM killer or a crashed
+    machine view would): nothing is left running that maps the ring, so the sweep before
+    the restart finds it only by what the launcher noted when the instance came up."""
+    launcher = tree_launcher
+    old, ring = tree_pids(launcher), segment(launcher)
+    for pid in old.values():
+        os.kill(pid, signal.SIGKILL)
+    instance(launcher).process.wait()
+    wait_for(lambda: not any(alive(pid) for pid in old.values()), "the tree gone", timeout=10)
+    assert ring.exists()  # what vLLM's rings do today: nothing removes them
+
+    assert launcher.supervise_once() == ["epd0 exited with code -9; removed 1 shared-memory "
+                                         "segment it left; restarting (restart 1)"]
+    assert not ring.exists()
+    launcher.wait_healthy()
+    launcher.stop()
+    assert not segment(launcher).exists()  # the stop's sweep removed the new one's
+
+
+def test_a_segment_another_process_still_maps_is_left_alone(tree_launcher):
+    launcher = tree_launcher
+    ring = segment(launcher)
+    reader = subprocess.Popen(  # not of the instance's tree: it maps the ring too
+        [sys.executable, "-c", "import mmap, sys, time; f = open(sys.argv[1], 'r+b'); "
+         "ring = mmap.mmap(f.fileno(), 0); print('mapped', flush=True); time.sleep(60)",
+         str(ring)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert reader.stdout.readline().strip() == "mapped"
+        launcher.stop()
+        assert ring.exists()
+    finally:
+        reader.kill()
+        reader.wait()
+        ring.unlink(missing_ok=True)
 
 
 def test_a_death_without_leftovers_restarts_with_the_plain_message(tree_launcher):
