@@ -51,6 +51,10 @@ class CpuPlatform(Platform):
             # OpenMP threads otherwise spin after every parallel region (up to 200 ms
             # with Intel's runtime), stealing the shared cores from the other instances:
             # measured on E-P-D, 2 cores, a text request took 945 ms spinning, 342 ms not.
+            # A short spin (GOMP_SPINCOUNT=100000) bought nothing either (request_latency.py,
+            # A B, 2 rounds): E-P-D with it everywhere and two decode threads, text 265 vs
+            # 237 ms, image 601 vs 562; it speeds TP1 up more than E-P-D (text ratio 1.42
+            # with it on both vs ~1.1-1.2 without).
             "OMP_WAIT_POLICY": "PASSIVE",
             "KMP_BLOCKTIME": "0",
             # vLLM's CPU attention otherwise splits a sequence's KV over the OpenMP threads
