@@ -200,7 +200,8 @@ class Child:
             note = f"killed {plural(sweep.killed, 'leftover process')}; " if sweep.killed else ""
             if sweep.survivors:
                 note += f"pids {sweep.survivors} survived SIGKILL; "
-            note += released_note(sweep)
+            if sweep.released:
+                note += f"{released_note(sweep)}; "
             self._back_off(now, now - self.started_at, f"exited with code {code}")
             event = f"{self.name} exited with code {code}; {note}"
             if now < self.next_start_at:
@@ -217,8 +218,8 @@ class Child:
         crash. Returns what happened."""
         sweep = self._kill_tree()
         self.healthy, self.silent_since = False, None
-        return f"{self.name} is hung ({why}): killed {plural(sweep.killed, 'process')}" \
-            + (f"; {released_note(sweep).removesuffix('; ')}" if sweep.released else "")
+        event = f"{self.name} is hung ({why}): killed {plural(sweep.killed, 'process')}"
+        return f"{event}; {released_note(sweep)}" if sweep.released else event
 
     def note_segments(self) -> None:
         """Remember the shared-memory segments its processes map now (a serving engine's
@@ -227,8 +228,8 @@ class Child:
         self.shm_segments |= mapped_segments(find_tree_processes([self.tree()]))
         self._segments_noted = True
 
-    def _kill_tree(self, grace_s: float = LEFTOVER_GRACE_S) -> Sweep:
-        sweep = kill_trees([self.tree()], grace_s, self.shm_segments)
+    def _kill_tree(self) -> Sweep:
+        sweep = kill_trees([self.tree()], LEFTOVER_GRACE_S, self.shm_segments)
         self.shm_segments = {path for path in self.shm_segments if path.exists()}
         return sweep
 
@@ -284,9 +285,9 @@ class Child:
 
 
 def released_note(sweep: Sweep) -> str:
-    """What a sweep removed of the shared memory its tree left ('' if nothing)."""
+    """What a sweep removed of the shared memory its tree left."""
     count = len(sweep.released)
-    return f"removed {count} shared-memory segment{'s' * (count != 1)} it left; " if count else ""
+    return f"removed {count} shared-memory segment{'s' * (count != 1)} it left"
 
 
 def _widen_pipe(fd: int) -> None:

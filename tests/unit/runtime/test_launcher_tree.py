@@ -273,6 +273,19 @@ def test_a_tree_killed_whole_leaves_no_shared_memory_behind(tree_launcher):
     assert not segment(launcher).exists()  # the stop's sweep removed the new one's
 
 
+def test_killing_a_hung_instance_removes_its_shared_memory(tree_launcher):
+    launcher = tree_launcher
+    old, ring = tree_pids(launcher), segment(launcher)
+    for pid in old.values():
+        os.kill(pid, signal.SIGSTOP)  # hung: SIGTERM waits, only SIGKILL ends them
+
+    event = instance(launcher).kill_hung("it answers nothing")
+
+    assert event == ("epd0 is hung (it answers nothing): killed 4 processes; removed 1 "
+                     "shared-memory segment it left")
+    assert not ring.exists() and not any(alive(pid) for pid in old.values())
+
+
 def test_a_segment_another_process_still_maps_is_left_alone(tree_launcher):
     launcher = tree_launcher
     ring = segment(launcher)
