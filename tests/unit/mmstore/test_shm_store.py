@@ -205,6 +205,7 @@ def test_a_client_follows_the_store_server_through_a_restart():
     finally:
         server.terminate()
         server.wait(timeout=10)
+        remove_arena(spec)  # a stopped server leaves it to its successor; `down` removes it
 
 
 @pytest.mark.parametrize("stop", ["terminate", "kill"])
@@ -228,6 +229,7 @@ def test_a_reader_maps_the_new_arena_after_the_server_restarted(stop):
     finally:
         server.terminate()
         server.wait(timeout=10)
+        remove_arena(spec)
 
 
 def test_a_client_of_a_server_that_is_gone_never_blocks_on_a_send():
@@ -255,6 +257,7 @@ def test_a_client_of_a_server_that_is_gone_never_blocks_on_a_send():
     assert done.is_set(), "a send to a dead store server blocked"
     assert store.dropped_messages > 0
     store.close()
+    remove_arena(spec)
 
 
 def test_an_engine_starting_waits_for_a_store_that_answers_late():
@@ -298,6 +301,7 @@ def test_an_engine_starting_waits_for_a_store_that_answers_late():
         if server is not None:
             server.terminate()
             server.wait(timeout=10)
+        remove_arena(spec)
 
 
 def test_unreachable_store_raises_store_error_quickly():
