@@ -142,8 +142,8 @@ def kill_trees(trees: list[ProcessTree], grace_s: float,
         procs = find_tree_processes(trees, known=seen.values())
         if not procs:
             break
+        segments |= shm_leftovers.mapped_segments(procs.keys() - seen.keys())
         seen.update(procs)
-        segments |= shm_leftovers.mapped_segments(procs)
         _send(procs.values(), signal.SIGKILL)
         _wait_gone(procs.values(), KILL_WAIT_S)
     else:
