@@ -18,6 +18,7 @@ from aiohttp import web
 from epd_serve.proxy.admission import Admission, requests_for_descriptors
 from epd_serve.proxy.config import ProxyConfig
 from epd_serve.proxy.handoff import HANDOFFS
+from epd_serve.proxy.hop_client import HopClient
 from epd_serve.proxy.ids import random_hex
 from epd_serve.proxy.membership import Membership, load_roster
 from epd_serve.proxy.metrics import ProxyMetrics
@@ -62,7 +63,8 @@ class Proxy:
         # Our epd hand-off sends decode its hop as prefill starts (handoff/epd_push.py).
         self.controller = RoleController(self.table, self.roles, config.role_control,
                                          decode_starts_with_prefill=config.kv_protocol == "epd")
-        self.session: aiohttp.ClientSession | None = None
+        self.session: aiohttp.ClientSession | None = None  # probes, liveness, bootstrap
+        self.hops: HopClient | None = None  # the requests' hops (hop_client.py)
         self.pipeline: Pipeline | None = None
         self.membership: Membership | None = None
 
@@ -100,18 +102,20 @@ class Proxy:
         return key
 
     async def start(self) -> None:
-        # Drop idle connections before the instances do (uvicorn closes them after 5 s),
-        # so a request is rarely sent on a connection that is being closed. No cap on
-        # connections here: admission.py caps the requests at what the process's open
-        # files carry, and a per-connector cap would queue a hand-off's decode behind
-        # another request's prefill (ascend-layerwise: decode waits on that prefill).
+        # Both clients drop idle connections before the instances do (uvicorn closes
+        # them after 5 s), so a request is rarely sent on a connection that is being
+        # closed. No cap on connections here: admission.py caps the requests at what
+        # the process's open files carry, and a per-connector cap would queue a hand-off's
+        # decode behind another request's prefill (ascend-layerwise: decode waits on it).
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0)
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10.0,
                                         sock_read=self.config.request_timeout_s)
         self.session = aiohttp.ClientSession(connector=connector, timeout=timeout,
                                              auto_decompress=False)
+        self.hops = HopClient(connect_timeout_s=10.0,
+                              read_timeout_s=self.config.request_timeout_s, idle_for_s=2.0)
         upstream = Upstream(self.router, self.session, self.metrics, self.config.deadlines,
-                            self.config.model)
+                            self.config.model, self.hops)
         self.pipeline = Pipeline(self.table, self.router, upstream, self.config)
         self.membership = Membership(self.table, self.session, self.metrics, self.config)
         self.membership.save()
@@ -128,6 +132,7 @@ class Proxy:
         if self.fetcher is not None:
             await self.fetcher.close()
         await self.session.close()
+        self.hops.close()
 
 
 # Typed keys (aiohttp's AppKey/RequestKey): a handler that reads them gets the type back.

@@ -1,6 +1,7 @@
 """Sending one hop of a request to an instance, with the proxy's one fail-over path.
 
-Runs inside the proxy process (asyncio, aiohttp client). Plain and streamed hops share
+Runs inside the proxy process (asyncio; hops are sent with hop_client.py, liveness
+checks and KV bootstrap queries with aiohttp's client). Plain and streamed hops share
 `_send`: instances are tried in the router's order; one that cannot be reached, or
 that answers 5xx before anything was relayed, is recorded as a failed attempt and the
 hop goes to the next (at most one retry after a 5xx, since a request that breaks one
@@ -29,15 +30,16 @@ import errno
 import logging
 import time
 import weakref
-from collections.abc import AsyncIterator, Awaitable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator
+from functools import partial
+from typing import Any
 
 import aiohttp
 import msgspec
-from yarl import URL
 
 from epd_serve.proxy.config import Deadlines
 from epd_serve.proxy.errors import ProxyError
+from epd_serve.proxy.hop_client import HopClient, HopResponse, Origin, Patience
 from epd_serve.proxy.liveness import engine_silent
 from epd_serve.proxy.metrics import ProxyMetrics
 from epd_serve.proxy.routing import Router
@@ -56,7 +58,7 @@ class Hung(Exception):
 
 
 # Errors that mean the instance could not be reached, broke the connection, or stopped
-# answering.
+# answering (hop_client's HopBroken is a ConnectionError, so an OSError).
 TRANSPORT_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError,
                     asyncio.TimeoutError, Hung)
 RETRIES_AFTER_5XX = 1
@@ -67,8 +69,6 @@ ALIVE_FOR_S = 1.0
 # instance's: another instance would fail the same way.
 LOCAL_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.EADDRNOTAVAIL, errno.EADDRINUSE,
                           errno.ENOBUFS, errno.ENOMEM})
-
-T = TypeVar("T")
 
 __all__ = ["Hung", "Stream", "Upstream", "connect_failure", "single_token"]
 
@@ -115,13 +115,6 @@ def broken_off(inst: InstanceState, err: BaseException) -> ProxyError:
                       "upstream_error", unreachable=True, reason="broken_answer")
 
 
-def _drop_answer(task: asyncio.Task) -> None:
-    """Done-callback of a wait given up on: close an answer that came in anyway."""
-    if not task.cancelled() and task.exception() is None \
-            and isinstance(task.result(), aiohttp.ClientResponse):
-        task.result().close()
-
-
 def upstream_error(inst: InstanceState, status: int, text: str) -> ProxyError:
     """4xx is the client's request (vLLM validated it): passed on; 5xx is the instance's."""
     message = f"instance {inst.name} answered {status}: {error_message(text)}"
@@ -132,9 +125,11 @@ def upstream_error(inst: InstanceState, status: int, text: str) -> ProxyError:
 
 class Upstream:
     def __init__(self, router: Router, session: aiohttp.ClientSession, metrics: ProxyMetrics,
-                 deadlines: Deadlines | None = None, model: str = ""):
+                 deadlines: Deadlines | None = None, model: str = "",
+                 hops: HopClient | None = None):
         self.router = router
-        self.session = session
+        self.session = session  # liveness checks and KV bootstrap queries
+        self.hops = hops or HopClient()  # the hops themselves
         self.metrics = metrics
         self.deadlines = deadlines or Deadlines()
         self.model = model  # what a one-token liveness request names
@@ -142,7 +137,7 @@ class Upstream:
         # A merged PD instance answers as decode does.
         self._first_byte_s = {"E": first_byte.E, "P": first_byte.P, "D": first_byte.D,
                               "PD": first_byte.D}
-        self._urls: dict[tuple[str, str], URL] = {}
+        self._origins: dict[str, Origin] = {}
         self._checks: dict[InstanceState, asyncio.Task] = {}  # liveness checks under way
         self._alive_at: weakref.WeakKeyDictionary[InstanceState, float] = \
             weakref.WeakKeyDictionary()  # time.monotonic() of each one's last good check
@@ -183,23 +178,11 @@ class Upstream:
             self.metrics.healthy.labels(inst.name).set(0)
 
     # -- silence -----------------------------------------------------------------------
-    async def patiently(self, inst: InstanceState, pending: Awaitable[T], deadline_s: float,
-                        what: str) -> T:
-        """Await `pending` (something `inst` is to send) for as long as the instance is
-        alive: after each `deadline_s` without it, the instance must answer a liveness
-        check, else Hung is raised and `pending` dropped (its connection closed)."""
-        task = asyncio.ensure_future(pending)
-        try:
-            while True:
-                done, _ = await asyncio.wait((task,), timeout=deadline_s)
-                if done:
-                    return task.result()
-                await self.still_alive(inst, deadline_s, what)
-        except BaseException:
-            if not task.done():
-                task.cancel()
-            task.add_done_callback(_drop_answer)
-            raise
+    def patience(self, inst: InstanceState, deadline_s: float) -> Patience:
+        """How a wait on `inst` bears its silence (hop_client's patience): after each
+        `deadline_s` without a byte, the instance must answer a liveness check, else
+        the wait ends with Hung (and its caller closes the connection)."""
+        return deadline_s, partial(self.still_alive, inst)
 
     async def still_alive(self, inst: InstanceState, silent_s: float, what: str) -> None:
         """Raise Hung unless `inst`, silent for `silent_s` where `what` was due, answers
@@ -260,8 +243,7 @@ class Upstream:
         """Run `body` on an instance of `hop` and return its JSON answer."""
         lease, resp = await self._send(hop, path, body, trip, candidates)
         try:
-            raw = await self.patiently(lease.inst, resp.read(), self.deadlines.stream_idle_s,
-                                       "rest of its answer")
+            raw = await resp.read(self.patience(lease.inst, self.deadlines.stream_idle_s))
         except TRANSPORT_ERRORS as err:
             resp.close()
             self.release(lease, trip, f"answer broken off: {type(err).__name__}: {err}")
@@ -310,7 +292,7 @@ class Upstream:
 
     async def _send(self, hop: str, path: str, body: dict, trip: Trip,
                     candidates: list[InstanceState] | None
-                    ) -> tuple[Lease, aiohttp.ClientResponse]:
+                    ) -> tuple[Lease, HopResponse]:
         """Send to the first instance of `hop` that takes the request; returns its lease
         and its answer (body not read yet). The caller releases the lease."""
         order = self.router.choose(hop, trip.route) if candidates is None else candidates
@@ -330,8 +312,8 @@ class Upstream:
             headers = {**JSON, "X-Request-Id": trip.request_id,
                        "traceparent": hop_traceparent(trip.trace_id, lease.span_id)}
             try:
-                resp = await self.patiently(inst, self._request(inst, path, payload, headers),
-                                            self._first_byte_s[hop], "answer")
+                resp = await self._request(inst, path, payload, headers,
+                                           self.patience(inst, self._first_byte_s[hop]))
                 lease.first_byte_ns = time.time_ns()
             except TRANSPORT_ERRORS as err:
                 last = f"{inst.name}: {type(err).__name__}: {err}"
@@ -368,17 +350,12 @@ class Upstream:
         raise ProxyError(502, f"every {hop} instance failed; last error: {last}",
                          "upstream_error", unreachable=not reached, reason="instances_failed")
 
-    async def _request(self, inst: InstanceState, path: str, payload: bytes,
-                       headers: dict) -> aiohttp.ClientResponse:
-        """A pooled keep-alive connection that the instance closed just as we reused it
-        fails before the request is read; one retry on a fresh connection is safe."""
-        url = self._urls.get((inst.entry.url, path))
-        if url is None:  # parsed once per instance and route, not per request
-            url = self._urls[inst.entry.url, path] = URL(inst.entry.url + path)
-        try:
-            return await self.session.post(url, data=payload, headers=headers)
-        except aiohttp.ServerDisconnectedError:
-            return await self.session.post(url, data=payload, headers=headers)
+    async def _request(self, inst: InstanceState, path: str, payload: bytes, headers: dict,
+                       patience: Patience) -> HopResponse:
+        origin = self._origins.get(inst.entry.url)
+        if origin is None:  # parsed once per instance, not per request
+            origin = self._origins[inst.entry.url] = Origin(inst.entry.url)
+        return await self.hops.post(origin, path, payload, headers, patience)
 
 
 @dataclasses.dataclass
@@ -389,7 +366,7 @@ class Stream:
 
     upstream: Upstream
     lease: Lease
-    response: aiohttp.ClientResponse
+    response: HopResponse
     record: StageRecord
     trip: Trip
 
@@ -402,8 +379,8 @@ class Stream:
         instance broke off or reported an error inside it."""
         upstream = self.upstream
         try:
-            raw = await upstream.patiently(self.inst, self.response.read(),
-                                           upstream.deadlines.stream_idle_s, "rest of its answer")
+            raw = await self.response.read(
+                upstream.patience(self.inst, upstream.deadlines.stream_idle_s))
             text = raw.decode(errors="replace")
         except TRANSPORT_ERRORS as err:
             self.response.close()
@@ -430,24 +407,12 @@ class Stream:
     async def relay(self) -> AsyncIterator[bytes]:
         error: str | None = "relay stopped"
         fault = False
-        content = self.response.content
-        idle_s = self.upstream.deadlines.stream_idle_s
+        response = self.response
+        # A silent stream is given stream_idle_s, then its instance must prove it is
+        # alive (a long prefill of another request can pause a decode stream).
+        patience = self.upstream.patience(self.inst, self.upstream.deadlines.stream_idle_s)
         try:
-            while True:
-                # A silent stream is given idle_s, then its instance must prove it is
-                # alive (a long prefill of another request can pause a decode stream).
-                # Cancelling a read on the timer loses nothing: data stays buffered.
-                timer = asyncio.timeout(idle_s)
-                try:
-                    async with timer:
-                        chunk = await content.readany()
-                except TimeoutError:
-                    if not timer.expired():
-                        raise  # aiohttp's own read timeout
-                    await self.upstream.still_alive(self.inst, idle_s, "stream chunk")
-                    continue
-                if not chunk:
-                    break
+            while chunk := await response.readany(patience):
                 yield chunk
             error = None
         except TRANSPORT_ERRORS as err:

@@ -137,7 +137,7 @@ def test_a_prefill_that_dies_under_a_request_is_stood_in_for_by_decode_at_once()
         (request,) = d.seen("d1")  # decode had nothing before: prefill never took it
         assert "kv_transfer_params" not in request["body"]
         status = {i["name"]: i for i in d.client.get("/status").json()["instances"]}
-        assert not status["p0"]["healthy"] and "ClientConnectorError" in status["p0"]["last_error"]
+        assert not status["p0"]["healthy"] and "ConnectionRefusedError" in status["p0"]["last_error"]
         second = chat(d, "y", max_tokens=3)
         assert second.status_code == 200 and "P=" not in second.headers["x-epd-stages"]
         assert fallbacks(d, "P", "D") == 2

@@ -15,7 +15,6 @@ import socket
 import threading
 import types
 
-import aiohttp
 import httpx
 import pytest
 
@@ -418,19 +417,18 @@ def test_a_flood_of_span_exports_is_refused_without_the_token_and_bounded_with_i
 # -- the proxy's own limits -----------------------------------------------------------
 def test_the_proxys_own_connection_failure_fails_the_request_and_spares_the_instance():
     with deployment(["P", "D"]) as d:
-        upstream = d.proxy.proxy.pipeline.upstream
-        real = upstream._request
+        hops = d.proxy.proxy.pipeline.upstream.hops
+        real = hops._connect
         calls = []
 
-        async def out_of_descriptors(inst, path, payload, headers):
-            calls.append(inst.name)
-            if len(calls) == 1:
-                key = types.SimpleNamespace(host="127.0.0.1", port=1, ssl=None)
-                raise aiohttp.ClientConnectorError(
-                    key, OSError(errno.EMFILE, "Too many open files"))
-            return await real(inst, path, payload, headers)
+        async def out_of_descriptors(origin, pool):
+            calls.append(origin.port)
+            if len(calls) == 1:  # what connect() raises when the process has no descriptor left
+                raise OSError(errno.EMFILE, "Too many open files")
+            return await real(origin, pool)
 
-        d.proxy.call(setattr, upstream, "_request", out_of_descriptors)
+        d.proxy.call(hops.close)  # no idle connection: the next hop connects
+        d.proxy.call(setattr, hops, "_connect", out_of_descriptors)
         resp = chat(d, "x")
         assert resp.status_code == 503 and "out of connections" in resp.json()["error"]["message"]
         assert resp.headers["retry-after"]
