@@ -34,7 +34,7 @@ from epd_serve.proxy.timeline import TraceStore
 from epd_serve.proxy.upstream import Upstream
 from epd_serve.proxy.video import VideoPreparer
 
-REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,96}$")
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,96}")  # fullmatch: `$` would let a \n end it
 
 
 class Proxy:
@@ -86,7 +86,7 @@ class Proxy:
         another's); a client's valid X-Request-Id leads it, so engine logs still say
         whose request it was, and is what the answer and the log carry."""
         own = f"epd-{random_hex(12)}"
-        if not REQUEST_ID.match(given):
+        if not REQUEST_ID.fullmatch(given):
             return own, own
         return given, f"{given}-{own}"
 

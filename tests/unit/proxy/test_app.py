@@ -65,6 +65,10 @@ def test_a_client_request_id_is_echoed_and_leads_the_engines_id_and_a_bad_one_re
         resp = chat(d, "x", headers={"x-request-id": "bad id\twith spaces"})
         assert resp.headers["x-request-id"].startswith("epd-")
         assert d.seen("p0")[1]["request_id"] == resp.headers["x-request-id"]
+    # A line break cannot come in a header, but the id is a hop's header: never let one in.
+    from epd_serve.proxy.context import Proxy
+    assert Proxy.request_ids_for("client-7\n")[0].startswith("epd-")
+    assert Proxy.request_ids_for("client-7")[1].startswith("client-7-epd-")
 
 
 def test_epd_handoff_reports_the_transfer_in_the_stages_header():
