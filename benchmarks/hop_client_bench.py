@@ -18,28 +18,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import statistics
-import subprocess
 import sys
+import tempfile
 import time
-import urllib.request
+from pathlib import Path
 
 import aiohttp
 import uvloop
 
 from epd_serve.proxy.hop_client import HopClient, Origin
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from proxy_bench import Children, free_port, wait_healthy  # noqa: E402
+
 PATH = "/v1/chat/completions"
 BODY = json.dumps({"model": "fake", "messages": [{"role": "user", "content": "hello there"}],
                    "max_tokens": 4}).encode()
 HEADERS = {"content-type": "application/json", "X-Request-Id": "0" * 32}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 async def measure(kind: str, url: str, requests: int, concurrency: int) -> tuple[float, float]:
@@ -80,18 +76,6 @@ async def measure(kind: str, url: str, requests: int, concurrency: int) -> tuple
     return requests / wall, cpu * 1e3 / requests
 
 
-def wait_ready(url: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            urllib.request.urlopen(url + "/health", timeout=1).read()
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -101,12 +85,12 @@ def main() -> None:
     args = parser.parse_args()
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    fake = subprocess.Popen([sys.executable, "-m", "epd_serve.testing.fake_server",
-                             "--forget-requests", "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    children = Children(Path(tempfile.mkdtemp(prefix="hop-client-bench-")))
     cpu: dict[str, list[float]] = {"hop_client": [], "aiohttp": []}
     try:
-        wait_ready(url)
+        fake = children.start("fake", [sys.executable, "-m", "epd_serve.testing.fake_server",
+                                       "--forget-requests", "--port", str(port)])
+        wait_healthy(url, fake, children, "fake")
         for round_ in range(args.rounds):
             for kind in cpu:
                 rate, ms = uvloop.run(measure(kind, url, args.requests, args.concurrency))
@@ -114,8 +98,7 @@ def main() -> None:
                 print(f"round {round_ + 1} {kind:10s} {rate:7.0f} req/s  "
                       f"{ms:.3f} ms CPU per request", flush=True)
     finally:
-        fake.terminate()
-        fake.wait()
+        children.stop_all()
     ours, theirs = statistics.median(cpu["hop_client"]), statistics.median(cpu["aiohttp"])
     print(f"summary: hop_client_cpu_ms={ours:.3f} aiohttp_cpu_ms={theirs:.3f} "
           f"cpu_ratio={ours / theirs:.2f}")

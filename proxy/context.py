@@ -34,6 +34,11 @@ from epd_serve.proxy.timeline import TraceStore
 from epd_serve.proxy.upstream import Upstream
 from epd_serve.proxy.video import VideoPreparer
 
+# Both clients to the instances (aiohttp's and the hop client): how long a connection
+# may take to open, and how long one stays idle in the pool.
+CONNECT_TIMEOUT_S = 10.0
+IDLE_CONNECTION_S = 2.0
+
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,96}")  # fullmatch: `$` would let a \n end it
 
 
@@ -107,13 +112,14 @@ class Proxy:
         # closed. No cap on connections here: admission.py caps the requests at what
         # the process's open files carry, and a per-connector cap would queue a hand-off's
         # decode behind another request's prefill (ascend-layerwise: decode waits on it).
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0)
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10.0,
-                                        sock_read=self.config.request_timeout_s)
+        read_s = self.config.request_timeout_s
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=IDLE_CONNECTION_S)
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S,
+                                        sock_read=read_s)
         self.session = aiohttp.ClientSession(connector=connector, timeout=timeout,
                                              auto_decompress=False)
-        self.hops = HopClient(connect_timeout_s=10.0,
-                              read_timeout_s=self.config.request_timeout_s, idle_for_s=2.0)
+        self.hops = HopClient(connect_timeout_s=CONNECT_TIMEOUT_S, read_timeout_s=read_s,
+                              idle_for_s=IDLE_CONNECTION_S)
         upstream = Upstream(self.router, self.session, self.metrics, self.config.deadlines,
                             self.config.model, self.hops)
         self.pipeline = Pipeline(self.table, self.router, upstream, self.config)
