@@ -7,7 +7,8 @@ prints per round and kind the median end-to-end latency and the median time of e
 stage as the proxy reports it (x-epd-stages). Then where the time goes, per hop, from
 each measured request's timeline (the proxy's hop spans with the engines' own spans
 under them, proxy/timeline.py): a table of medians per part and deployment, and the
-same as a plot (results/request_latency/parts.png). A hop's parts:
+same as a plot (results/request_latency/parts.png). Before the hops, "proxy before
+hops": the proxy's own work up to its first hop (parsing, checks). A hop's parts:
 
     outside engine   HTTP both ways, the API server's work before the engine sees the
                      request and after its last token (detokenizing, the response)
@@ -170,20 +171,6 @@ def main() -> None:
           f"spread={spread:.0%}")
 
 
-HOPS = ("E", "P", "D", "PD")
-ENGINE_PARTS = ("hop", "preprocess", "queue", "prefill", "decode")
-
-
-def part_order(part: str) -> tuple:
-    """Hops in request order, each hop's row first, then the engine's phases in order,
-    the connectors' spans, what lies outside the engine; the whole request last."""
-    stage, _, rest = part.partition(" ")
-    hop = HOPS.index(stage) if stage in HOPS else len(HOPS)
-    if rest in ENGINE_PARTS:
-        return hop, ENGINE_PARTS.index(rest), rest
-    return hop, len(ENGINE_PARTS) + (rest == "outside engine"), rest
-
-
 def print_breakdown(names: list[str], timelines: dict, out: Path) -> None:
     """Per kind, the median of each part of a request (ms) in each deployment, and the
     same as a plot."""
@@ -192,15 +179,10 @@ def print_breakdown(names: list[str], timelines: dict, out: Path) -> None:
     if not medians:
         return
     for kind in KINDS:
-        columns = [name for name in names if (name, kind) in medians]
-        parts = sorted({p for name in columns for p in medians[name, kind]}, key=part_order)
+        columns = [(name, medians[name, kind]) for name in names if (name, kind) in medians]
         print(f"where a {kind} request's time goes (ms, median of each part over "
-              f"{', '.join(f'{len(timelines[n][kind])} {n}' for n in columns)} requests):")
-        print(f"  {'part':28s}" + "".join(f"{name:>10s}" for name in columns))
-        for part in parts:
-            cells = [medians[name, kind].get(part) for name in columns]
-            print(f"  {part:28s}" + "".join(f"{'-' if c is None else f'{c:.1f}':>10s}"
-                                              for c in cells))
+              f"{', '.join(f'{len(timelines[n][kind])} {n}' for n, _ in columns)} requests):")
+        print("\n".join(waterfall.parts_table(columns)))
     out.mkdir(parents=True, exist_ok=True)
     path = waterfall.plot_parts([(f"{name} {kind}", parts)
                                  for (name, kind), parts in medians.items()], out / "parts.png")

@@ -14,6 +14,11 @@ TTFT and E2EL are both read. Three comparisons, each on one host in one run:
 - one encoder vs two: 2E-PD (two encoders, one merged prefill+decode instance) behind
   two proxies, one spreading a video's chunks over both encoders, one sending them all
   to one (`fan_out: false`), A B A B on the same engines.
+Then, per video length, where a request's time goes in each deployment: the median
+of each part from the requests' timelines (request_latency.py's parts; the encoder
+stage of a video's chunks counts from its first hop to its last), as a table and a
+plot (`--out`, default results/video_latency/parts.png). The engines send their spans
+to the deployment's own proxy, so requests through a second proxy show its hops only.
 The summary line gives `ratio_8` and `ratio_64` (mean E2EL of E-P-D over TP1),
 `frames_ratio_8` and `frames_ratio_64` (the same with the frames sent to prefill) and
 `split_gain_64` (mean E2EL with one encoder over two, 64 frames).
@@ -33,6 +38,7 @@ from pathlib import Path
 
 import httpx
 
+from epd_serve.bench import waterfall
 from epd_serve.instances.videos import make_video, video_data_url, video_part
 
 REPO = Path(__file__).resolve().parents[1]
@@ -60,9 +66,10 @@ def ask(client: httpx.Client, url: str, model: str, frames: int, seed: int) -> d
                 if json.loads(line[6:])["choices"]:
                     first = time.perf_counter()
         stages = resp.headers.get("x-epd-stages", "")
+        trace_id = resp.headers.get("x-epd-trace-id", "")
     end = time.perf_counter()
     return {"ttft_ms": ((first or end) - start) * 1e3, "e2el_ms": (end - start) * 1e3,
-            "stages": stages}
+            "stages": stages, "trace_id": trace_id}
 
 
 def runs(url: str, model: str, per_shape: int, seed: int, label: str) -> dict[int, list]:
@@ -76,7 +83,35 @@ def runs(url: str, model: str, per_shape: int, seed: int, label: str) -> dict[in
                 out[frames].append(result)
                 print(f"  {label}: {frames} frames #{i}: E2EL {result['e2el_ms']:.0f} ms "
                       f"TTFT {result['ttft_ms']:.0f} ms  {result['stages'][:60]}", flush=True)
+        time.sleep(waterfall.SPANS_SETTLE_S)  # the engines' last spans
+        for result in (r for rows in out.values() for r in rows):
+            found = client.get(f"{url}/v1/traces/{result['trace_id']}") \
+                if result["trace_id"] else None
+            result["timeline"] = found.json() \
+                if found is not None and found.status_code == 200 else None
     return out
+
+
+def print_breakdown(results: dict[str, dict[int, list]], out: Path) -> None:
+    """Per video length, the median of each part of a request (ms) in each deployment,
+    from the requests' timelines (request_latency.py's table), and the same as a plot."""
+    medians = {(label, frames): waterfall.median_parts(
+        [r["timeline"] for r in rows if r.get("timeline")])
+        for label, shapes in results.items() for frames, rows in shapes.items()}
+    medians = {key: parts for key, parts in medians.items() if parts}
+    for frames in SHAPES:
+        columns = [(label, medians[label, frames]) for label in results
+                   if (label, frames) in medians]
+        if columns:
+            print(f"\nwhere a {frames}-frame request's time goes (ms, median of each part):")
+            print("\n".join(waterfall.parts_table(columns)))
+    # The engines export their spans to the deployment's own proxy: requests through a
+    # second proxy have only its hops, which the plot, drawing engine phases, leaves out.
+    drawn = [(f"{label} {frames}f", parts) for (label, frames), parts in medians.items()
+             if any(part.endswith(" preprocess") for part in parts)]
+    if drawn:
+        out.mkdir(parents=True, exist_ok=True)
+        print(f"plot: {waterfall.plot_parts(drawn, out / 'parts.png')}")
 
 
 def deployed(config: str, work: Path, model: Path, **overrides):
@@ -94,6 +129,8 @@ def mean(results: list[dict], key: str) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=6, help="requests per shape and run")
+    ap.add_argument("--out", type=Path, default=REPO / "results" / "video_latency",
+                    help="where parts.png goes")
     args = ap.parse_args()
     from epd_serve.models.tinymodel import build_tiny_model
     from epd_serve.testing.second_proxy import second_proxy
@@ -153,6 +190,7 @@ def main() -> int:
                     / mean(results["TP1"][f], "e2el_ms") for f in SHAPES}
     split = (mean(results["2E-PD one encoder"][64], "e2el_ms")
              / mean(results["2E-PD two encoders"][64], "e2el_ms"))
+    print_breakdown(results, args.out)
     print(f"summary: ratio_8={ratio[8]:.2f} ratio_64={ratio[64]:.2f} "
           f"frames_ratio_8={frames_ratio[8]:.2f} frames_ratio_64={frames_ratio[64]:.2f} "
           f"split_gain_64={split:.2f}")

@@ -267,7 +267,7 @@ def timeline_section(results, out_dir: Path) -> str:
     if not timed:
         return ""
     names = sorted({k for r in timed for k in r.summary["timelines"]["median_parts"]},
-                   key=lambda k: ("EPDt".find(k[0]), k))
+                   key=waterfall.part_order)
     head = "<th>part (ms, median)</th>" + "".join(
         f"<th>{html.escape(_run_name(r))}</th>" for r in timed)
     rows = "".join(

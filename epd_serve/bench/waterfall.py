@@ -1,6 +1,7 @@
 """Reading request timelines (the proxy's /v1/traces/{id}, proxy/timeline.py): as a
 waterfall of rows, as a terminal view and a PNG, and as the per-stage parts the load
-tool's report aggregates over many requests.
+tool's report and the latency benchmarks aggregate over many requests (their order
+and table: `part_order`, `parts_table`).
 
 A row is one span, placed relative to the moment the proxy received the request:
 the request itself, each hop the proxy sent (E, P, D, PD), under a hop the spans its
@@ -21,6 +22,8 @@ import httpx
 from epd_serve.proxy.tenancy import ADMIN_KEY_HEADER
 
 PHASES = ("preprocess", "queue", "prefill", "decode")
+STAGES = ("E", "P", "D", "PD")  # hops in request order
+HOP_PARTS = ("hop", *PHASES)  # a stage's row of parts, then its engine's phases
 ENGINE_SPAN = "llm_request"  # vLLM's span of a request (the others are our connectors')
 # What of the KV hand-off's report (on the decode hop) a waterfall row shows.
 KV_NOTE = ("outcome", "bytes", "groups", "transfer_ms", "exposed_ms")
@@ -165,33 +168,78 @@ def _engine_note(attrs: dict) -> str:
 
 
 def stage_parts(timeline: dict) -> dict[str, float]:
-    """Where one request's time went, in ms: each successful hop as the proxy saw it
-    ("P hop"), and inside it each engine phase ("P prefill", "D decode", ...) plus what
+    """Where one request's time went, in ms: each stage's hops as the proxy saw them
+    ("P hop"), and inside them each engine phase ("P prefill", "D decode", ...) plus what
     the engine did not account for ("P outside engine": HTTP, the API server's own
-    work, the answer's way back). "total" is the request as the proxy served it."""
+    work, the answer's way back); "proxy before hops" is the proxy's own work before
+    its first hop (parsing, checks, decoding a video). "total" is the request as the
+    proxy served it.
+
+    A stage whose hops run at once (an encoder's batches of images, a video's chunks)
+    counts from its first hop's start to its last one's end, and its engine phases are
+    those of the hop that ended last: the one the next stage waited for."""
     parts: dict[str, float] = {}
     by_parent = spans_by_parent(timeline["spans"])
+    by_stage: dict[str, list[dict]] = {}
+    received_ns = None
     for span in timeline["spans"]:
         if span["source"] != "proxy":
             continue
-        ms = (span["end_ns"] - span["start_ns"]) / 1e6
         if span["name"] == "request":
-            parts["total"] = ms
-            continue
-        if span.get("attrs", {}).get("failed"):
-            continue
-        stage = span["name"].removesuffix(" hop")
-        parts[f"{stage} hop"] = parts.get(f"{stage} hop", 0.0) + ms
-        for child in by_parent.get(span.get("span_id") or "-", []):
-            child_ms = (child["end_ns"] - child["start_ns"]) / 1e6
-            if child["name"] != ENGINE_SPAN:  # a connector's: the KV arriving, a feature load
-                name = f"{stage} {child['name']}"
-                parts[name] = parts.get(name, 0.0) + child_ms  # one load per image
-                continue
-            parts[f"{stage} outside engine"] = max(0.0, ms - child_ms)
-            for phase in by_parent.get(child.get("span_id") or "-", []):
-                parts[f"{stage} {phase['name']}"] = (phase["end_ns"] - phase["start_ns"]) / 1e6
+            parts["total"] = (span["end_ns"] - span["start_ns"]) / 1e6
+            received_ns = span["start_ns"]
+        elif not span.get("attrs", {}).get("failed"):
+            by_stage.setdefault(span["name"].removesuffix(" hop"), []).append(span)
+    for stage, hops in by_stage.items():
+        parts[f"{stage} hop"] = (max(h["end_ns"] for h in hops)
+                                 - min(h["start_ns"] for h in hops)) / 1e6
+        last = max(hops, key=lambda h: h["end_ns"])
+        _engine_parts(stage, last, by_parent, parts)
+    if by_stage and received_ns is not None:
+        first_ns = min(h["start_ns"] for hops in by_stage.values() for h in hops)
+        parts["proxy before hops"] = max(0.0, (first_ns - received_ns) / 1e6)
     return parts
+
+
+def _engine_parts(stage: str, hop: dict, by_parent: dict[str, list[dict]],
+                  parts: dict[str, float]) -> None:
+    """The spans the engine exported under `hop`, as parts of `stage`."""
+    hop_ms = (hop["end_ns"] - hop["start_ns"]) / 1e6
+    for child in by_parent.get(hop.get("span_id") or "-", []):
+        child_ms = (child["end_ns"] - child["start_ns"]) / 1e6
+        if child["name"] != ENGINE_SPAN:  # a connector's: the KV arriving, a feature load
+            name = f"{stage} {child['name']}"
+            parts[name] = parts.get(name, 0.0) + child_ms  # one load per image
+            continue
+        parts[f"{stage} outside engine"] = max(0.0, hop_ms - child_ms)
+        for phase in by_parent.get(child.get("span_id") or "-", []):
+            parts[f"{stage} {phase['name']}"] = (phase["end_ns"] - phase["start_ns"]) / 1e6
+
+
+def part_order(part: str) -> tuple:
+    """Sort key of a part: the proxy's work before its hops, then the hops in request
+    order, each hop's row first, then its engine's phases in order, the connectors'
+    spans, what lies outside the engine; the whole request last."""
+    stage, _, rest = part.partition(" ")
+    if stage == "proxy":
+        return -1, 0, rest
+    hop = STAGES.index(stage) if stage in STAGES else len(STAGES)
+    if rest in HOP_PARTS:
+        return hop, HOP_PARTS.index(rest), rest
+    return hop, len(HOP_PARTS) + (rest == "outside engine"), rest
+
+
+def parts_table(columns: list[tuple[str, dict[str, float]]]) -> list[str]:
+    """The lines of a table with one row per part, in request order, and one column per
+    (name, parts) given; '-' where a column has no such part."""
+    width = max([10, *(len(name) + 2 for name, _ in columns)])
+    parts = sorted({part for _, cells in columns for part in cells}, key=part_order)
+    lines = [f"  {'part':28s}" + "".join(f"{name:>{width}s}" for name, _ in columns)]
+    for part in parts:
+        cells = [found.get(part) for _, found in columns]
+        lines.append(f"  {part:28s}" + "".join(
+            f"{'-' if ms is None else f'{ms:.1f}':>{width}s}" for ms in cells))
+    return lines
 
 
 def median_parts(timelines: list[dict]) -> dict[str, float]:
