@@ -116,15 +116,35 @@ def test_a_prefill_switched_while_it_holds_a_requests_kv_and_features_still_serv
     assert switch(dep, "p0", "P")["outcome"] == "done"
 
 
+def restore_roles(dep) -> None:
+    """Back to the roles the deployment started with, P and D filled before E. A switch
+    by hand that drains the last prefill leaves P empty for a moment, and the controller
+    refills it from E: the previous test's switches can leave e0 a prefill."""
+    for name, role in (("p0", "P"), ("d0", "D"), ("e0", "E")):
+        if roles(dep)["instances"][name]["roles"] != role:
+            assert switch(dep, name, role)["outcome"] == "done"
+
+
 def test_the_controller_moves_an_idle_encoder_to_decode_on_long_answers_and_back(dep):
+    restore_roles(dep)
+    assert {i: v["roles"] for i, v in roles(dep)["instances"].items()} == \
+        {"e0": "E", "p0": "P", "d0": "D"}
     before = len(roles(dep)["switches"])
-    long_answers = [body(dep, 2000 + i, image=False, max_tokens=400) for i in range(10)]
     with httpx.Client(timeout=600) as client, \
             concurrent.futures.ThreadPoolExecutor(10) as pool:
-        sent = [pool.submit(client.post, dep.proxy_url + "/v1/chat/completions", json=p)
-                for p in long_answers]
-        wait_for(lambda: roles(dep)["instances"]["e0"]["roles"] == "D", "e0 moved to D",
-                 timeout=120)
+        # Ten long answers in flight at all times until e0 moves: a fixed batch of them
+        # can end on a fast host before the controller may act (e0's min_dwell_s after
+        # a switch back, then sustain_s of decode's pressure).
+        sent = []
+
+        def keep_ten_long_answers_in_flight() -> bool:
+            while sum(not f.done() for f in sent) < 10:
+                sent.append(pool.submit(client.post, dep.proxy_url + "/v1/chat/completions",
+                                        json=body(dep, 2000 + len(sent), image=False,
+                                                  max_tokens=400)))
+            return roles(dep)["instances"]["e0"]["roles"] == "D"
+
+        wait_for(keep_ten_long_answers_in_flight, "e0 moved to D", timeout=120, interval=0.05)
         assert all(f.result().status_code == 200 for f in sent)
         # The shift back: images with short answers, ten in flight at all times until an
         # encoder is back; with no encoder, prefill encodes them, which is the empty E
