@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+from collections.abc import Callable
 
 import httpx
 import pytest
@@ -125,6 +126,23 @@ def restore_roles(dep) -> None:
             assert switch(dep, name, role)["outcome"] == "done"
 
 
+def ten_in_flight_until(dep, client: httpx.Client, pool, payload: Callable[[int], dict],
+                        condition: Callable[[], bool], what: str) -> None:
+    """Keep ten requests (`payload(n)` for the n-th) in flight at all times until
+    `condition` holds, then check every one was answered: the controller acts on load
+    that lasts (min_dwell_s, then sustain_s), which a fixed batch may not on a fast host."""
+    sent = []
+
+    def keep_ten() -> bool:
+        while sum(not f.done() for f in sent) < 10:
+            sent.append(pool.submit(client.post, dep.proxy_url + "/v1/chat/completions",
+                                    json=payload(len(sent))))
+        return condition()
+
+    wait_for(keep_ten, what, timeout=120, interval=0.05)
+    assert all(f.result().status_code == 200 for f in sent)
+
+
 def test_the_controller_moves_an_idle_encoder_to_decode_on_long_answers_and_back(dep):
     restore_roles(dep)
     assert {i: v["roles"] for i, v in roles(dep)["instances"].items()} == \
@@ -132,35 +150,17 @@ def test_the_controller_moves_an_idle_encoder_to_decode_on_long_answers_and_back
     before = len(roles(dep)["switches"])
     with httpx.Client(timeout=600) as client, \
             concurrent.futures.ThreadPoolExecutor(10) as pool:
-        # Ten long answers in flight at all times until e0 moves: a fixed batch of them
-        # can end on a fast host before the controller may act (e0's min_dwell_s after
-        # a switch back, then sustain_s of decode's pressure).
-        sent = []
-
-        def keep_ten_long_answers_in_flight() -> bool:
-            while sum(not f.done() for f in sent) < 10:
-                sent.append(pool.submit(client.post, dep.proxy_url + "/v1/chat/completions",
-                                        json=body(dep, 2000 + len(sent), image=False,
-                                                  max_tokens=400)))
-            return roles(dep)["instances"]["e0"]["roles"] == "D"
-
-        wait_for(keep_ten_long_answers_in_flight, "e0 moved to D", timeout=120, interval=0.05)
-        assert all(f.result().status_code == 200 for f in sent)
-        # The shift back: images with short answers, ten in flight at all times until an
-        # encoder is back; with no encoder, prefill encodes them, which is the empty E
-        # stage's pressure. (A fixed batch of them could end before the controller may
-        # switch again, on a fast run: min_dwell_s, then sustain_s.)
-        sent = []
-
-        def keep_ten_images_in_flight() -> bool:
-            while sum(not f.done() for f in sent) < 10:
-                sent.append(pool.submit(client.post, dep.proxy_url + "/v1/chat/completions",
-                                        json=body(dep, 3000 + len(sent), image=True,
-                                                  max_tokens=2)))
-            return "E" in {v["roles"] for v in roles(dep)["instances"].values()}
-
-        wait_for(keep_ten_images_in_flight, "an encoder again", timeout=120, interval=0.05)
-        assert all(f.result().status_code == 200 for f in sent)
+        # Long answers until e0 moves (a fixed batch can end on a fast host before the
+        # controller may act: e0's min_dwell_s after a switch back, then sustain_s).
+        ten_in_flight_until(
+            dep, client, pool, lambda n: body(dep, 2000 + n, image=False, max_tokens=400),
+            lambda: roles(dep)["instances"]["e0"]["roles"] == "D", "e0 moved to D")
+        # The shift back: images with short answers until an encoder is back; with no
+        # encoder, prefill encodes them, which is the empty E stage's pressure.
+        ten_in_flight_until(
+            dep, client, pool, lambda n: body(dep, 3000 + n, image=True, max_tokens=2),
+            lambda: "E" in {v["roles"] for v in roles(dep)["instances"].values()},
+            "an encoder again")
     view = roles(dep)
     switches = view["switches"][before:]
     assert switches[0]["instance"] == "e0" and switches[0]["target"] == "D"
