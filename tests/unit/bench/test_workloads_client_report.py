@@ -92,7 +92,10 @@ def test_client_times_each_chunk_against_the_fake_server():
     for r in records:
         assert r.output_tokens == 5 and len(r.token_times) == 5
         assert 0.025 <= r.ttft <= 0.5
-        assert all(0.005 <= g <= 0.3 for g in r.itls)
+        # Each chunk stamped when it came, 10 ms apart: a client held off the CPU may
+        # read two at once (one gap ~0), so the gaps are judged together, not each.
+        assert 0.03 <= r.token_times[-1] - r.token_times[0] <= 1.0
+        assert 0.005 <= float(np.median(r.itls)) <= 0.3
         assert abs(r.send_lag) < 0.02
     assert [round(r.scheduled, 2) for r in records] == [0.0, 0.05, 0.1, 0.15]
 
