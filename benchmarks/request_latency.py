@@ -19,13 +19,17 @@ hops": the proxy's own work up to its first hop (parsing, checks). A hop's parts
     features load    (P, D) a stored feature read from the MM Store into the engine
     KV receive       (D) the KV hand-off, reservation to landed
 
-Ends with one line:
+Each round also times a fixed pure-Python loop while its deployment idles, just after
+it came up and again after its last request (epd_serve/bench/host_pace.py): the host's
+own pace that round, printed beside its medians, so that a round slow because the
+machine was slow shows as such. Ends with one line:
 
-    summary: text_ratio=<x> image_ratio=<x> spread=<pct>
+    summary: text_ratio=<x> image_ratio=<x> spread=<pct> host_spread=<pct>
 
 ratio: the first deployment's median over the second's, per kind, all rounds pooled;
 spread: the largest relative difference between two rounds of the same deployment and
-kind (how far this machine lets one run wander from the next).
+kind (how far this machine lets one run wander from the next); host_spread: the same
+between the rounds' host paces (how far the machine itself wandered meanwhile).
 
     scripts/in-netns.sh .venv/bin/python benchmarks/request_latency.py \
         [--configs configs/cpu/e-p-d.yaml configs/cpu/tp1.yaml] [--rounds 2]
@@ -43,7 +47,7 @@ from pathlib import Path
 
 import httpx
 
-from epd_serve.bench import waterfall
+from epd_serve.bench import host_pace, waterfall
 from epd_serve.bench.runner import deployment_headers
 from epd_serve.deployment import schema
 from epd_serve.instances.payloads import chat_body, image_data_url, make_image
@@ -55,10 +59,10 @@ UNMEASURED = 3  # requests per kind before the measured ones: first-use costs ou
 
 
 def measure(path: str, overrides: dict, requests: int, max_tokens: int, seed: int
-            ) -> tuple[str, dict[str, dict[str, list[float]]], dict[str, list[dict]]]:
+            ) -> tuple[str, dict[str, dict[str, list[float]]], dict[str, list[dict]], float]:
     """Bring up one deployment, time `requests` requests of each kind one at a time,
-    stop it. Returns its notation, per kind the samples of each stage in ms, and per
-    kind the measured requests' timelines."""
+    stop it. Returns its notation, per kind the samples of each stage in ms, per kind
+    the measured requests' timelines, and the host's pace meanwhile (ms of the loop)."""
     dep = bringup.load(path, **overrides)
     start = time.monotonic()
     launcher = bringup.bring_up(dep)  # as `epd-serve up`: healthy, then one warm-up of each kind
@@ -68,6 +72,7 @@ def measure(path: str, overrides: dict, requests: int, max_tokens: int, seed: in
     rows: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     traced: dict[str, list[str]] = defaultdict(list)
     timelines: dict[str, list[dict]] = defaultdict(list)
+    paces = [host_pace.python_loop_ms()]  # the deployment up and idle
     try:
         with httpx.Client(base_url=dep.proxy_url, timeout=300,
                           headers=deployment_headers(dep)) as client:
@@ -90,6 +95,7 @@ def measure(path: str, overrides: dict, requests: int, max_tokens: int, seed: in
                     rows[kind][stage].append(float(stage_ms))
                 traced[kind].append(resp.headers.get("x-epd-trace-id", ""))
             time.sleep(waterfall.SPANS_SETTLE_S)  # the engines' last spans
+            paces.append(host_pace.python_loop_ms())
             for kind, ids in traced.items():
                 for trace_id in ids:
                     found = client.get(f"/v1/traces/{trace_id}") if trace_id else None
@@ -100,7 +106,7 @@ def measure(path: str, overrides: dict, requests: int, max_tokens: int, seed: in
     if not any(timelines.values()):
         print(f"{dep.config.name}: no timeline readable (stage_headers: operator needs "
               "the admin key in EPD_ADMIN_KEY): no breakdown", file=sys.stderr)
-    return dep.plan.to_notation(), rows, timelines
+    return dep.plan.to_notation(), rows, timelines, statistics.mean(paces)
 
 
 def main() -> None:
@@ -138,15 +144,17 @@ def main() -> None:
     # deployment with one setting changed) are told apart by their files' names.
     notations = [schema.load(path)[0].deployment for path in args.configs]
     labelled = notations[0] == notations[1]
+    paces: list[float] = []  # the host's, one per deployment and round
     for rnd in range(args.rounds):
         for which, path in enumerate(args.configs):
-            name, rows, traces = measure(path, overrides if which == 0 else {},
+            name, rows, traces, pace = measure(path, overrides if which == 0 else {},
                                          args.requests, args.max_tokens,
                                          seed=1000 * (rnd + 1) + 100 * which)
             if labelled:
                 name = schema.load(path)[0].name
             if name not in names:
                 names.append(name)
+            paces.append(pace)
             for kind in KINDS:
                 timelines[name][kind] += traces[kind]
             for kind in KINDS:
@@ -155,7 +163,8 @@ def main() -> None:
                 samples[name][kind] += stages["total"]
                 parts = ", ".join(f"{k} {statistics.median(v):.0f}" for k, v in stages.items())
                 print(f"round {rnd + 1} {name:6s} {kind:5s} ({args.max_tokens} output tokens, "
-                      f"{len(stages['total'])} requests), medians in ms: {parts}", flush=True)
+                      f"{len(stages['total'])} requests), medians in ms: {parts}; "
+                      f"host pace {pace:.0f} ms", flush=True)
 
     a, b = names
     ratios = {kind: statistics.median(samples[a][kind]) / statistics.median(samples[b][kind])
@@ -167,8 +176,9 @@ def main() -> None:
             f"{kind} median {statistics.median(samples[name][kind]):.0f} ms "
             f"(rounds: {', '.join(f'{m:.0f}' for m in medians[name][kind])})" for kind in KINDS))
     print_breakdown(names, timelines, args.out)
+    print(f"host pace by round (ms of the same loop): {', '.join(f'{p:.0f}' for p in paces)}")
     print(f"summary: text_ratio={ratios['text']:.2f} image_ratio={ratios['image']:.2f} "
-          f"spread={spread:.0%}")
+          f"spread={spread:.0%} host_spread={host_pace.spread(paces):.0%}")
 
 
 def print_breakdown(names: list[str], timelines: dict, out: Path) -> None:
