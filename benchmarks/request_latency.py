@@ -148,8 +148,8 @@ def main() -> None:
     for rnd in range(args.rounds):
         for which, path in enumerate(args.configs):
             name, rows, traces, pace = measure(path, overrides if which == 0 else {},
-                                         args.requests, args.max_tokens,
-                                         seed=1000 * (rnd + 1) + 100 * which)
+                                               args.requests, args.max_tokens,
+                                               seed=1000 * (rnd + 1) + 100 * which)
             if labelled:
                 name = schema.load(path)[0].name
             if name not in names:
