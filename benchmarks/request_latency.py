@@ -169,8 +169,7 @@ def main() -> None:
     a, b = names
     ratios = {kind: statistics.median(samples[a][kind]) / statistics.median(samples[b][kind])
               for kind in KINDS}
-    spread = max((max(v) - min(v)) / min(v)
-                 for per_kind in medians.values() for v in per_kind.values())
+    spread = max(host_pace.spread(v) for per_kind in medians.values() for v in per_kind.values())
     for name in names:
         print(f"{name:6s} " + "  ".join(
             f"{kind} median {statistics.median(samples[name][kind]):.0f} ms "

@@ -29,9 +29,10 @@ def python_loop_ms(timings: int = 5) -> float:
     return statistics.median(taken)
 
 
-def spread(paces: list[float]) -> float:
-    """The largest relative difference between two paces (0.5: the slowest took half as
-    long again as the fastest)."""
-    if len(paces) < 2:
-        raise ValueError("a spread needs at least two paces")
-    return (max(paces) - min(paces)) / min(paces)
+def spread(times: list[float]) -> float:
+    """The largest relative difference between two timings of the same thing (0.5: the
+    slowest took half as long again as the fastest): of the host's paces, or of one
+    deployment's rounds."""
+    if len(times) < 2:
+        raise ValueError("a spread needs at least two timings")
+    return (max(times) - min(times)) / min(times)
