@@ -68,8 +68,9 @@ class CpuPlatform(Platform):
             # decode instance dies (SIGILL) in its first attention on an AMX CPU.
             amx.ENV: "1",
             # vLLM's queue readers otherwise spin for 1 s after every read, on the cores
-            # the instance computing needs (backends/cpu/idle_wait.py).
-            idle_wait.ENV: "1",
+            # the instance computing needs (backends/cpu/idle_wait.py); they nap instead,
+            # for as long as idle_wait.NAP_MS says (why that long: there).
+            idle_wait.ENV: str(idle_wait.NAP_MS),
         }
         if not launch.encoder_only:
             # Its workers compile the sampler's logprob-rank kernel at start, not in the

@@ -172,7 +172,7 @@ def test_the_cpu_hal_switches_it_on_for_every_instance():
         launch = InstanceLaunch(instance=instance, model="m", served_model_name="m",
                                 host="127.0.0.1", port=8100, devices=(0,), memory_share=1.0,
                                 max_model_len=4096)
-        assert idle_wait.nap_ms(CpuPlatform().environment(launch)) == 1
+        assert idle_wait.nap_ms(CpuPlatform().environment(launch)) == idle_wait.NAP_MS
 
 
 def test_vllm_finds_the_plugin_among_its_general_plugins():
