@@ -273,7 +273,10 @@ def test_the_controller_refills_a_lost_stage_while_a_long_drain_runs():
             wait_for(lambda: roles_of(d)["e0"] == "D", "decode refilled during p1's drain",
                      timeout=10)
             assert not held.done()  # p1's long hop is still running
-            assert held.result().status_code in (200, 502, 504)
+            # Its decode hop picks an instance once p1's answer has begun: d3 (which then
+            # hangs: 502 or 504), e0 (200), or, on a loaded host where p1 answered only
+            # after d3 was out and before e0 served D, none (503: no decode instance).
+            assert held.result().status_code in (200, 502, 503, 504)
 
 
 def test_a_switch_cancelled_and_asked_again_is_not_ended_by_the_first_ones_task():
