@@ -238,6 +238,10 @@ class Upstream:
         self.metrics.retries.labels(hop).inc()
 
     # -- hops --------------------------------------------------------------------------
+    def choose(self, hop: str, trip: Trip) -> list[InstanceState]:
+        """The healthy instances of `hop` for this request, in the order to try them."""
+        return self.router.choose(hop, trip.route)
+
     async def post(self, hop: str, path: str, body: dict, trip: Trip,
                    candidates: list[InstanceState] | None = None) -> tuple[InstanceState, dict]:
         """Run `body` on an instance of `hop` and return its JSON answer."""
@@ -295,7 +299,7 @@ class Upstream:
                     ) -> tuple[Lease, HopResponse]:
         """Send to the first instance of `hop` that takes the request; returns its lease
         and its answer (body not read yet). The caller releases the lease."""
-        order = self.router.choose(hop, trip.route) if candidates is None else candidates
+        order = self.choose(hop, trip) if candidates is None else candidates
         if not order:
             raise ProxyError(503, f"no healthy instance runs stage {hop}", "service_unavailable",
                              reason=f"no_{hop}")

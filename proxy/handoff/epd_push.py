@@ -11,7 +11,10 @@ client once prefill has succeeded. If prefill fails, decode's request is closed 
 frees its blocks) and the pair is retried on the next prefill instance; a 4xx from
 prefill is the client's error and is returned as is. When the last prefill instance
 cannot be reached at all (it died), decode's request is kept: decode notices the dead
-peer and computes the prompt itself, so the request is slower but not lost. A prefill
+peer and computes the prompt itself, so the request is slower but not lost. A decoder
+that went out after the request was planned, leaving none, ends prefill's hop at once
+and the request is planned again (prefill standing in where the deployment allows it),
+rather than refused once prefill has finished for nothing. A prefill
 found hung is not dead (its worker may answer decode while its engine core computes
 nothing): decode's hop ends too, and the request is planned again without it; so does
 a decode hop still waiting when the prefill that answered it is found hung (its KV
@@ -58,8 +61,8 @@ class EPDPush(Handoff):
     decode_samples = True  # its samples share the transfer (connectors/epd_kv/scheduler.py)
 
     async def complete(self, path, body, trip, prefill):
-        async def decode(request):
-            return (await self.upstream.post("D", path, request, trip))[1]
+        async def decode(request, decoders):
+            return (await self.upstream.post("D", path, request, trip, decoders))[1]
 
         result = await self._run(path, body, trip, prefill, decode, _discard_result)
         report = read_report(result)
@@ -72,8 +75,8 @@ class EPDPush(Handoff):
         return result
 
     async def stream(self, path, body, trip, prefill) -> AsyncIterator[bytes]:
-        async def decode(request):
-            return await self.upstream.open_stream("D", path, request, trip)
+        async def decode(request, decoders):
+            return await self.upstream.open_stream("D", path, request, trip, decoders)
 
         async def close(stream):
             await stream.close()
@@ -97,18 +100,26 @@ class EPDPush(Handoff):
             prefill_body = single_token(body, stream=True, kv_transfer_params=to_dict(
                 PrefillParams(transfer_id=transfer_id, epd_mode=steering.epd_mode,
                               epd_fault=steering.epd_fault)))
-            decoding = None
             try:
                 prefilling = await self.upstream.open_stream("P", path, prefill_body, trip,
                                                              [p_inst])
-                decoding = asyncio.create_task(decode(decode_request))
+            except ProxyError as err:  # prefill never took it: nothing started on decode
+                if err.status < 500:
+                    raise
+                last = err
+                continue
+            decoders = self.upstream.choose("D", trip)
+            if not decoders:
+                # The last decoder went out since the request was planned: prefill is
+                # stopped now, not left to finish before the request is refused, and the
+                # pipeline plans the request again (prefill standing in, where allowed).
+                await prefilling.close()
+                raise ProxyError(503, "no healthy instance runs stage D", "service_unavailable",
+                                 unreachable=True, reason="no_D")
+            decoding = asyncio.create_task(decode(decode_request, decoders))
+            try:
                 await prefilling.finish()
             except ProxyError as err:
-                if decoding is None:  # prefill never took it: nothing started on decode
-                    if err.status < 500:
-                        raise
-                    last = err
-                    continue
                 if err.unreachable and err.reason != "instance_hung" \
                         and index == len(prefill) - 1:
                     # Prefill is gone: decode notices its dead peer and computes the
@@ -121,8 +132,7 @@ class EPDPush(Handoff):
                 last = err
                 continue
             except BaseException:
-                if decoding is not None:
-                    await _cancel(decoding, discard)
+                await _cancel(decoding, discard)
                 raise
             return await _unless_hung(decoding, p_inst, discard)
         raise last or ProxyError(503, "no healthy instance runs stage P", "service_unavailable")

@@ -5,6 +5,8 @@ computes the prompt encodes; each counted and shown in x-epd-stages; /health deg
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from epd_serve.instances.payloads import chat_body
@@ -193,6 +195,37 @@ def test_a_decode_that_dies_under_a_request_is_stood_in_for_by_prefill():
         handed_off, whole = d.seen("p0")  # the hand-off's prefill, then the request whole
         assert handed_off["body"]["kv_transfer_params"]["do_remote_decode"] is True
         assert "kv_transfer_params" not in whole["body"] and whole["body"]["max_tokens"] == 3
+
+
+def test_a_decoder_gone_once_prefill_took_the_request_is_stood_in_for_by_prefill():
+    # d1 goes out after the request was planned with it, just as prefill took the
+    # request (a probe found it down in between): prefill's hop is ended at once and the
+    # request planned again, prefill running it whole; not refused after prefill's end.
+    with deployment(["P", "D"], health_interval_s=60) as d:
+        upstream = d.proxy.proxy.pipeline.upstream
+        choose = upstream.choose
+
+        def decoder_goes_out(hop, trip):
+            if hop == "D":
+                d.proxy.proxy.table.get("d1").take_out("probe: gone")
+            return choose(hop, trip)
+
+        upstream.choose = decoder_goes_out
+        d.apps["p0"].state.delay_s = 3.0  # prefill's stream would take 3 s
+        started = time.monotonic()
+        resp = chat(d, "x", max_tokens=3)
+        took = time.monotonic() - started
+        assert resp.status_code == 200, resp.text
+        assert resp.headers["x-epd-stages"].endswith("FALLBACK=D>P")
+        handed_off, whole = d.seen("p0")
+        assert handed_off["body"]["kv_transfer_params"]["do_remote_decode"] is True
+        assert "kv_transfer_params" not in whole["body"]
+        assert d.seen("d1") == []
+        # Prefill's first hop was closed (its engine would abort it), not waited for:
+        # the fake's delay holds every answer, so the whole request took 3 s once, not
+        # 3 s of the first hop before it.
+        wait_for(lambda: len(d.apps["p0"].state.cancelled) == 1, "prefill's hop closed")
+        assert took < 5.5
 
 
 # -- every E down: the instance computing the prompt encodes ----------------------------------

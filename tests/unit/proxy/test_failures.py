@@ -62,6 +62,9 @@ class FakeUpstream:
     def note_retry(self, hop, trip):
         pass
 
+    def choose(self, hop, trip):
+        return ["d1"]
+
     async def open_stream(self, hop, path, body, trip, candidates=None):
         assert hop == "P"
         decode = self.decode
@@ -429,6 +432,9 @@ class PrefillAnswersThenHangs:
     def note_retry(self, hop, trip):
         pass
 
+    def choose(self, hop, trip):
+        return ["d1"]
+
     async def open_stream(self, hop, path, body, trip, candidates=None):
         class Answered:
             async def finish(self):
@@ -464,3 +470,55 @@ def test_a_decode_waiting_on_a_prefill_found_hung_is_ended_to_be_planned_again()
     err, closed, took = asyncio.run(scenario())
     # Unreachable: the pipeline plans it again, with a stand-in for the hung prefill.
     assert err.unreachable and err.reason == "instance_hung" and closed and took < 5
+
+
+class NoDecoderLeft:
+    """Prefill takes the request and would compute it for 30 s; the last decoder went
+    out after the request was planned (router: none healthy for D)."""
+
+    def __init__(self):
+        self.prefill_closed = asyncio.Event()
+        self.decode_sent = False
+
+    def note_retry(self, hop, trip):
+        pass
+
+    def choose(self, hop, trip):
+        return []
+
+    async def open_stream(self, hop, path, body, trip, candidates=None):
+        upstream = self
+
+        class LongPrefill:
+            async def finish(self):
+                await asyncio.sleep(30)
+
+            async def close(self):
+                upstream.prefill_closed.set()
+
+        if hop == "D":
+            self.decode_sent = True
+        return LongPrefill()
+
+    async def post(self, hop, path, body, trip, candidates=None):
+        self.decode_sent = True
+        raise AssertionError("decode was sent a request with no decoder chosen")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_with_no_decoder_left_at_the_hand_off_prefill_is_stopped_at_once(stream):
+    async def scenario():
+        upstream = NoDecoderLeft()
+        handoff = EPDPush(upstream, ProxyConfig(model="m", instances=[]))
+        trip = Trip("r1", False, RouteRequest())
+        run = handoff.stream if stream else handoff.complete
+        started = time.monotonic()
+        with pytest.raises(ProxyError) as err:
+            await run("/v1/completions", {"prompt": "x"}, trip, [prefill_instance()])
+        return err.value, upstream, time.monotonic() - started
+
+    err, upstream, took = asyncio.run(scenario())
+    # Not held for prefill's 30 s, then refused: prefill closed (its engine aborts the
+    # request), and unreachable, so the pipeline plans it again with prefill standing in.
+    assert took < 5 and upstream.prefill_closed.is_set() and not upstream.decode_sent
+    assert err.status == 503 and err.unreachable and err.reason == "no_D"
