@@ -27,6 +27,13 @@ def bad_request(message: str, reason: str = "bad_request", status: int = 400) ->
     return ProxyError(status, message, "invalid_request_error", reason=reason)
 
 
+def no_instance(hop: str, unreachable: bool = False) -> ProxyError:
+    """No healthy instance runs stage `hop` (503). `unreachable`: the stage emptied under
+    a request already under way, which the pipeline then plans again from the live table."""
+    return ProxyError(503, f"no healthy instance runs stage {hop}", "service_unavailable",
+                      unreachable=unreachable, reason=f"no_{hop}")
+
+
 class HandoffError(ProxyError):
     """Hand-off parameters that did not pass a boundary: an engine sent the proxy some
     that do not match their struct (a transfer report, an encoder's published params, a

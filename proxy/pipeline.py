@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from epd_serve.mmstore import StoreSpec
 from epd_serve.proxy.config import ProxyConfig
 from epd_serve.proxy.encoding import Encoder, NoEncoder
-from epd_serve.proxy.errors import HandoffError, ProxyError
+from epd_serve.proxy.errors import HandoffError, ProxyError, no_instance
 from epd_serve.proxy.features import EncodeItems, FeatureDirectory
 from epd_serve.proxy.handoff import make_handoff
 from epd_serve.proxy.request import ParsedRequest
@@ -238,8 +238,7 @@ class Pipeline:
         hop = computing_hop(plan)
         candidates = self.router.choose(hop, trip.route)
         if not candidates:
-            raise ProxyError(503, f"no healthy instance runs stage {hop}",
-                             "service_unavailable", reason=f"no_{hop}")
+            raise no_instance(hop)
         trip.final_hop = "D" if plan.final == "P+D" else plan.final
         if plan.final != "P+D":
             if req.stream:

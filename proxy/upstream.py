@@ -38,7 +38,7 @@ import aiohttp
 import msgspec
 
 from epd_serve.proxy.config import Deadlines
-from epd_serve.proxy.errors import ProxyError
+from epd_serve.proxy.errors import ProxyError, no_instance
 from epd_serve.proxy.hop_client import HopClient, HopResponse, Origin, Patience
 from epd_serve.proxy.liveness import engine_silent
 from epd_serve.proxy.metrics import ProxyMetrics
@@ -301,8 +301,7 @@ class Upstream:
         and its answer (body not read yet). The caller releases the lease."""
         order = self.choose(hop, trip) if candidates is None else candidates
         if not order:
-            raise ProxyError(503, f"no healthy instance runs stage {hop}", "service_unavailable",
-                             reason=f"no_{hop}")
+            raise no_instance(hop)
         payload = _encode(body)
         last, retries_after_5xx, reached = "", RETRIES_AFTER_5XX, False
         for index, inst in enumerate(order):

@@ -41,7 +41,13 @@ from epd_serve.protocols.epd_push import (
     TransferReport,
 )
 from epd_serve.protocols.params import ParamsError, from_dict, to_dict
-from epd_serve.proxy.errors import HandoffError, ProxyError, bad_request, malformed_params
+from epd_serve.proxy.errors import (
+    HandoffError,
+    ProxyError,
+    bad_request,
+    malformed_params,
+    no_instance,
+)
 from epd_serve.proxy.handoff.base import Handoff, cancel_and_wait, decode_body
 from epd_serve.proxy.ids import random_hex
 from epd_serve.proxy.state import InstanceState
@@ -114,8 +120,7 @@ class EPDPush(Handoff):
                 # stopped now, not left to finish before the request is refused, and the
                 # pipeline plans the request again (prefill standing in, where allowed).
                 await prefilling.close()
-                raise ProxyError(503, "no healthy instance runs stage D", "service_unavailable",
-                                 unreachable=True, reason="no_D")
+                raise no_instance("D", unreachable=True)
             decoding = asyncio.create_task(decode(decode_request, decoders))
             try:
                 await prefilling.finish()
