@@ -81,6 +81,8 @@ class Admission:
         total = sum(weights.values())
         # Each tenant's share of the requests in flight, by its weight among all tenants.
         self.shares = {tenant: self.max_requests * w / total for tenant, w in weights.items()}
+        metrics.requests_in_flight.set_function(lambda: self.requests)
+        metrics.body_bytes_in_flight.set_function(lambda: self.body_bytes)
 
     @contextlib.contextmanager
     def admit(self, tenant: Tenant | None = None, address: str = "unknown") -> Iterator[Ticket]:
@@ -186,8 +188,6 @@ class Admission:
     def _change(self, requests: int, body_bytes: int) -> None:
         self.requests += requests
         self.body_bytes += body_bytes
-        self.metrics.requests_in_flight.set(self.requests)
-        self.metrics.body_bytes_in_flight.set(self.body_bytes)
 
 
 def _decrement(counter: collections.Counter, key: str) -> None:

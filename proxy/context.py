@@ -51,6 +51,7 @@ class Proxy:
         for entry, source in load_roster(config):
             self.table.add(entry, source)
         self.metrics = ProxyMetrics()
+        self.metrics.count_in_flight(lambda: self.table.instances)
         self.router = Router(lambda: self.table.instances, {
             "E": config.routing.E, "P": config.routing.P, "D": config.routing.D})
         # Asked for keys but given none: refuse to start rather than serve openly.

@@ -4,12 +4,22 @@ Runs inside the proxy process; one registry per app (tests run several proxies i
 process). Hop latencies are observed where a hop's lease closes (upstream.py), request
 outcomes where the route answers (routes_serving.py). The labelled series a request touches are
 looked up through `child`, which keeps each one found: prometheus_client's own
-`labels()` validates and locks on every call, a dozen times per request.
+`labels()` validates and locks on every call, a dozen times per request. What is in
+flight (requests, body bytes, each instance's hops) is read from its owner when
+/metrics is scraped, not set at each change: a request changes those counts a dozen
+times, a scrape comes every few seconds.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+if TYPE_CHECKING:
+    from epd_serve.proxy.state import InstanceState
 
 # From a fast text prefill (ms) to a long decode (minutes).
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
@@ -36,8 +46,6 @@ class ProxyMetrics:
         self.token_seconds = Histogram(
             "epd_proxy_token_seconds", "Mean time per streamed event after the first, per "
             "request.", ["instance"], buckets=TOKEN_BUCKETS, registry=r)
-        self.in_flight = Gauge("epd_proxy_instance_in_flight", "Hops in flight per instance "
-                               "(its queue as the proxy sees it).", ["instance"], registry=r)
         self.requests_in_flight = Gauge("epd_proxy_requests_in_flight",
                                         "Client requests being served.", registry=r)
         self.requests = Counter("epd_proxy_requests_total", "Client requests answered, by "
@@ -93,8 +101,9 @@ class ProxyMetrics:
     def hop_done(self, hop: str, instance: str, seconds: float) -> None:
         self.child(self.hop_seconds, HOP_STAGE.get(hop, hop), instance).observe(seconds)
 
-    def set_in_flight(self, instance: str, value: int) -> None:
-        self.child(self.in_flight, instance).set(value)
+    def count_in_flight(self, instances: Callable[[], Iterable[InstanceState]]) -> None:
+        """Serve each instance's hops in flight, as `instances()` holds them when scraped."""
+        self.registry.register(_InFlight(instances))
 
     def set_role(self, instance: str, roles: str) -> None:
         """The instance serves `roles` now; any role it served before reads 0."""
@@ -105,11 +114,10 @@ class ProxyMetrics:
 
     def forget(self, instance: str) -> None:
         """Drop the per-instance gauges of an instance that left the roster."""
-        for gauge in (self.in_flight, self.healthy):
-            try:
-                gauge.remove(instance)
-            except KeyError:
-                pass
+        try:
+            self.healthy.remove(instance)
+        except KeyError:
+            pass
         for (metric, labels) in list(self._children):
             if metric is self.role and labels[0] == instance:
                 self.role.remove(*labels)
@@ -118,3 +126,19 @@ class ProxyMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _InFlight:
+    """epd_proxy_instance_in_flight, a collector reading the live table (an instance
+    that left the roster is no longer listed)."""
+
+    def __init__(self, instances: Callable[[], Iterable[InstanceState]]):
+        self.instances = instances
+
+    def collect(self):
+        family = GaugeMetricFamily("epd_proxy_instance_in_flight", "Hops in flight per "
+                                   "instance (its queue as the proxy sees it).",
+                                   labels=["instance"])
+        for inst in self.instances():
+            family.add_metric([inst.name], inst.in_flight)
+        yield family

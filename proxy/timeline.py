@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from epd_serve.proxy.ids import random_hex
 
 if TYPE_CHECKING:
-    from epd_serve.proxy.trip import Trip
+    from epd_serve.proxy.trip import StageRecord, Trip
 
 TRACEPARENT = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
 # vLLM's request span and the durations it carries (seconds), in the order they happen.
@@ -89,14 +89,27 @@ class Timeline:
     spans: list[Span] = dataclasses.field(default_factory=list)
     tenant: str = ""  # whose request it is: only that tenant reads it
     engine_spans: int = 0  # how many of `spans` engines exported
+    # The request's trip, until the timeline is first read: the proxy's own spans are
+    # built from it then (`read`), so the many requests nobody looks at cost none.
+    trip: Trip | None = None
 
     def hop_span_ids(self) -> list[str]:
         """The proxy's hop spans, which the engines' spans name as their parent."""
+        if self.trip is not None:
+            return [r.span_id for r in _sent_hops(self.trip) if r.span_id]
         return [s.span_id for s in self.spans if s.source == "proxy" and s.span_id]
 
+    def read(self) -> Timeline:
+        """The timeline with the proxy's own spans (built on the first read)."""
+        if self.trip is not None:
+            self.spans[:0] = _proxy_spans(self.trip, self.start_ns, self.end_ns, self.status)
+            self.trip = None
+        return self
+
     def to_dict(self) -> dict:
+        self.read()
         out = {k: v for k, v in dataclasses.asdict(self).items()
-               if k not in ("tenant", "engine_spans")}
+               if k not in ("tenant", "engine_spans", "trip")}
         out["spans"] = sorted(out["spans"], key=lambda s: (s["start_ns"], s["end_ns"]))
         return out
 
@@ -179,11 +192,14 @@ class TraceStore:
         return len(self._timelines)
 
     def add(self, timeline: Timeline) -> None:
-        for hop in timeline.hop_span_ids():
+        hops = timeline.hop_span_ids()
+        for hop in hops:
             self._by_hop[hop] = timeline.id
-            waiting = self._waiting.pop(hop, [])
-            self._waiting_spans -= len(waiting)
-            self._attach(timeline, waiting)
+        if self._waiting:  # engine spans that came before their request ended
+            for hop in hops:
+                waiting = self._waiting.pop(hop, [])
+                self._waiting_spans -= len(waiting)
+                self._attach(timeline, waiting)
         self._timelines[timeline.id] = timeline
         self._by_engine_id[timeline.engine_request_id] = timeline.id
         self._by_client_id[timeline.tenant, timeline.request_id] = timeline.id
@@ -235,7 +251,7 @@ class TraceStore:
         timeline = self._timelines.get(timeline_id or "")
         if timeline is None or tenant not in (None, timeline.tenant):
             return None
-        return timeline
+        return timeline.read()
 
     def _by_client_id_of(self, tenant: str | None, client_id: str) -> str | None:
         if tenant is not None:
@@ -250,25 +266,32 @@ class TraceStore:
             if len(found) >= n:
                 break
             if tenant in (None, timeline.tenant):
-                found.append(timeline)
+                found.append(timeline.read())
         return found
 
 
-def timeline_of(trip: "Trip", timeline_id: str, tenant: str, request_id: str, status: int,
+def timeline_of(trip: Trip, timeline_id: str, tenant: str, request_id: str, status: int,
                 received_ns: int) -> Timeline:
-    """The proxy's own spans of a request that has ended: the request as a whole (with
-    each chunk relayed to the client as an event) and one span per hop attempt, with
-    its send, first byte and end."""
-    end = time.time_ns()
-    timeline = Timeline(timeline_id, trip.trace_id, request_id, trip.request_id, received_ns,
-                        end, status, tenant=tenant)
-    timeline.spans.append(Span(
-        "request", "proxy", received_ns, end, attrs={
-            "status": status, "stages": trip.header(), "multimodal": trip.multimodal},
-        events=[("relayed", ns) for ns in trip.relayed_ns]))
-    for record in trip.stages + trip.encodes:
-        if not record.sent_ns:  # all image batches' E (in `encodes`), or E not run
-            continue
+    """A request that has ended, as its timeline; the proxy's own spans are built from
+    `trip` when the timeline is first read (`Timeline.read`)."""
+    return Timeline(timeline_id, trip.trace_id, request_id, trip.request_id, received_ns,
+                    time.time_ns(), status, tenant=tenant, trip=trip)
+
+
+def _sent_hops(trip: Trip) -> list[StageRecord]:
+    """The trip's hop attempts that were sent (each image batch's E is in `encodes`;
+    `stages` holds one E record for all of them, with no send of its own)."""
+    return [record for record in trip.stages + trip.encodes if record.sent_ns]
+
+
+def _proxy_spans(trip: Trip, start_ns: int, end_ns: int, status: int) -> list[Span]:
+    """The proxy's own spans of a request: the request as a whole (with each chunk
+    relayed to the client as an event) and one span per hop attempt, with its send,
+    first byte and end."""
+    spans = [Span("request", "proxy", start_ns, end_ns, attrs={
+        "status": status, "stages": trip.header(), "multimodal": trip.multimodal},
+        events=[("relayed", ns) for ns in trip.relayed_ns])]
+    for record in _sent_hops(trip):
         events = [("sent", record.sent_ns)]
         if record.first_byte_ns:
             events.append(("first byte", record.first_byte_ns))
@@ -276,7 +299,7 @@ def timeline_of(trip: "Trip", timeline_id: str, tenant: str, request_id: str, st
         if record.stage in ("D", "PD") and trip.kv:
             attrs.update({f"kv.{k}": v for k, v in trip.kv.items()
                           if isinstance(v, (int, float, str))})
-        timeline.spans.append(Span(
-            f"{record.stage} hop", "proxy", record.sent_ns, record.done_ns or end,
-            record.span_id, attrs=attrs, events=events))
-    return timeline
+        spans.append(Span(f"{record.stage} hop", "proxy", record.sent_ns,
+                          record.done_ns or end_ns, record.span_id, attrs=attrs,
+                          events=events))
+    return spans

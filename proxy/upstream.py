@@ -147,7 +147,6 @@ class Upstream:
         lease = inst.lease(hop, trip.route.cost)
         if inst.stages != inst.entry.stages:  # a role switch moved it: the header says so
             trip.switched[inst.name] = f"{inst.entry.roles}>{inst.roles}"
-        self.metrics.set_in_flight(inst.name, inst.in_flight)
         return lease
 
     def release(self, lease: Lease, trip: Trip, error: str | None = None,
@@ -156,7 +155,6 @@ class Upstream:
         if not lease.close(error, instance_fault):
             return
         inst = lease.inst
-        self.metrics.set_in_flight(inst.name, inst.in_flight)
         ms = lease.elapsed_s * 1e3
         if error is not None and not instance_fault:
             return

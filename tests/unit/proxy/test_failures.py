@@ -228,6 +228,24 @@ def test_requests_past_the_in_flight_limit_get_503_and_the_accepted_one_is_serve
         assert 'epd_proxy_refused_total{limit="max_requests_in_flight"} 1.0' in text
 
 
+def test_metrics_show_what_is_in_flight_when_scraped():
+    with deployment(["P", "D"]) as d:
+        d.apps["d1"].state.hold = True  # decode answers when the test says
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            held = pool.submit(chat, d, "held")
+            wait_for(lambda: len(d.seen("d1")) == 1, "the request at decode")
+            text = d.client.get("/metrics").text
+            assert 'epd_proxy_instance_in_flight{instance="d1"} 1.0' in text
+            assert "epd_proxy_requests_in_flight 1.0" in text
+            d.apps["d1"].state.hold = False
+            assert held.result(timeout=30).status_code == 200
+        text = d.client.get("/metrics").text
+        for line in ('epd_proxy_instance_in_flight{instance="d1"} 0.0',
+                     'epd_proxy_instance_in_flight{instance="p0"} 0.0',
+                     "epd_proxy_requests_in_flight 0.0", "epd_proxy_body_bytes_in_flight 0.0"):
+            assert line in text
+
+
 def test_bodies_past_the_in_flight_byte_limit_get_503():
     limits = {"max_body_bytes": 4096, "max_body_bytes_in_flight": 6000}
     with deployment(["PD"], limits=limits) as d:

@@ -15,6 +15,7 @@ from epd_serve.bench import waterfall as view
 from epd_serve.connectors.spans import ConnectorSpans
 from epd_serve.proxy import timeline
 from epd_serve.proxy.tenancy import Tenants
+from epd_serve.proxy.trip import StageRecord, Trip
 
 from .harness import IMAGE, chat, deployment
 
@@ -104,6 +105,31 @@ def test_the_store_files_engine_spans_under_their_hop_and_forgets_the_oldest():
     assert store.get("t1", "anonymous") is None and store.get("client-1", "anonymous") is None
     assert [t.id for t in store.recent(5, "anonymous")] == ["t3", "t2"]
     assert store.recent(5, "key-1") == []
+
+
+def test_a_timeline_files_engine_spans_before_its_proxy_spans_are_built_on_read():
+    sent = [StageRecord("P", "p0", 3.0, span_id="a" * 16, sent_ns=10, first_byte_ns=12,
+                        done_ns=13),
+            StageRecord("D", "d1", 5.0, span_id="b" * 16, sent_ns=11, done_ns=20),
+            StageRecord("E", "e2", 1.0)]  # the images' one E record: no send of its own
+    trip = Trip("engine-1", True, stages=sent, kv={"outcome": "done", "bytes": 64},
+                relayed_ns=[15, 19], trace_id=TRACE)
+    store = timeline.TraceStore()
+    ended = timeline.timeline_of(trip, "t1", "anonymous", "client-1", 200, 5)
+    store.add(ended)
+    assert ended.hop_span_ids() == ["a" * 16, "b" * 16]
+    late = timeline.Span("llm_request", "d1", 12, 19, parent_id="b" * 16)
+    assert store.add_engine_spans([(TRACE, late)]) == 1  # filed under D's hop, unread
+    read = store.get("t1", "anonymous")
+    assert read.hop_span_ids() == ["a" * 16, "b" * 16]
+    spans = {s.name: s for s in read.spans}
+    assert set(spans) == {"request", "P hop", "D hop", "llm_request"}
+    assert spans["request"].attrs["stages"] == trip.header()
+    assert spans["request"].events == [("relayed", 15), ("relayed", 19)]
+    assert spans["P hop"].events == [("sent", 10), ("first byte", 12)]
+    assert spans["D hop"].attrs["kv.bytes"] == 64 and "kv.bytes" not in spans["P hop"].attrs
+    assert [s["name"] for s in read.to_dict()["spans"]] == [
+        "request", "P hop", "D hop", "llm_request"]
 
 
 def test_retention_stays_bounded_whatever_ids_clients_and_exports_send():
