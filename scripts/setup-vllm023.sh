@@ -3,8 +3,8 @@
 # into ./.venv-vllm023, so that the end-to-end tests can start engines from it
 # (deployment key `engine_python`) while epd-serve itself runs from .venv.
 # Idempotent: a second run only re-installs when pyproject.toml or this script changed.
-# The Debian packages Mooncake links come from scripts/setup.sh (scripts/test.sh runs
-# it first). About 4 minutes and 4.2 GB on a fresh machine (6.4 GB, of which 2.2 GB are
+# The Debian packages Mooncake links come from scripts/debian-packages.sh (scripts/test.sh
+# runs it first). About 4 minutes and 4.2 GB on a fresh machine (6.4 GB, of which 2.2 GB are
 # files identical to .venv's and hard-linked to them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -80,11 +80,13 @@ import importlib.metadata, torchvision, vllm, mooncake.engine, epd_serve.connect
 plugins = [e.name for e in importlib.metadata.entry_points(group='vllm.general_plugins')]
 assert 'epd_serve_amx' in plugins, f'our vLLM plugin is not registered: {plugins}'
 " >"$check_log" 2>&1 || { cat "$check_log" >&2; rm -f "$check_log"
-        echo "setup-vllm023: $venv does not import (Debian packages: run scripts/setup.sh); see above" >&2; exit 1; }
+        echo "setup-vllm023: $venv does not import (Debian packages: run scripts/debian-packages.sh); see above" >&2; exit 1; }
     rm -f "$check_log"
-    share_with_main_venv
     echo "$want" >"$stamp"
 fi
+# On every run: scripts/test.sh installs .venv at the same time as this, so files .venv
+# did not hold yet when this one installed are linked when it runs this again.
+share_with_main_venv
 # vllm-ascend 0.23.0.post1's Python source, for the test that runs its own scheduler with
 # our connectors (tests/unit/connectors/vllm_ascend_schedule.py). From its sdist on the
 # package index, checked against its published hash: its wheel cannot be built without

@@ -8,19 +8,7 @@ source scripts/pip-output.sh
 # also holds the environments.
 export PIP_NO_CACHE_DIR=1
 
-# Debian packages: Mooncake's transfer engine links libibverbs (even for TCP), libnuma
-# and libcurl, and the tests and the demo put Mooncake into a loopback-only network
-# namespace (iproute2).
-missing=()
-for pkg in libibverbs1 ibverbs-providers libnuma1 libcurl4 iproute2 procps; do
-    dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
-done
-if ((${#missing[@]})); then
-    echo "setup: installing Debian packages: ${missing[*]}"
-    SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
-    $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
-fi
+bash scripts/debian-packages.sh
 
 [ -x .venv/bin/python ] || python3 -m venv .venv
 stamp=.venv/.epd-serve-installed
